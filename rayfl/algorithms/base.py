@@ -1,0 +1,237 @@
+"""The two halves of a federated algorithm and what passes between them.
+
+An algorithm is one module holding a `Client` half and a `Server` half plus a frozen `Params`
+dataclass, registered as an `Algorithm`. The engine owns the round loop, the minibatch loop,
+sampling, placement and evaluation; the halves say *what* is trained and shared through the
+hooks below. Nothing here imports Ray, MLflow or the engine.
+
+Payloads are `{name: np.ndarray}` dicts: numpy arrays come back from Ray's object store
+zero-copy, and their byte size is the communication cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+Payload = dict[str, np.ndarray]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The engine's minibatch-loop settings, as a client half sees them."""
+
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"
+    grad_clip: float | None = None
+    eval_batch_size: int = 512
+
+
+@dataclass(frozen=True)
+class ClientContext:
+    """Everything a client half may know about where it runs."""
+
+    arch: str
+    in_shape: tuple[int, ...]
+    num_classes: int
+    device: torch.device
+    train: TrainSettings
+    family_archs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """Everything a server half may know: the architectures in the federation and its device."""
+
+    architectures: tuple[str, ...]
+    arch_counts: Mapping[str, int]
+    in_shape: tuple[int, ...]
+    num_classes: int
+    device: torch.device
+    train: TrainSettings
+    seed: int
+    num_clients: int
+
+
+@dataclass
+class Reply:
+    """What one client sends back after a round."""
+
+    client_id: int
+    arch: str
+    num_samples: int
+    payload: Payload
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer(Protocol):
+    """The engine's minibatch loop over one client's data (implemented in `rayfl.engine.training`)."""
+
+    num_samples: int
+    device: torch.device
+
+    def run(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        modules: Sequence[nn.Module],
+        epochs: int | None = None,
+        params: Iterable[nn.Parameter] | None = None,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """Train `modules` (set to train mode) for `epochs` over shuffled batches with `step`'s loss."""
+        ...
+
+    def batches(self, split: str = "train", shuffle: bool = False) -> Iterator[Batch]:
+        """Batches of this client's `train` or `test` split on the device."""
+        ...
+
+
+class ServerData(Protocol):
+    """Data the server may use (implemented by the engine)."""
+
+    device: torch.device
+
+    def batches(self, split: str = "public", batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
+        """Batches of the `public` (distillation) split or the server `test` set."""
+        ...
+
+    def num_samples(self, split: str = "public") -> int: ...
+
+
+class Client:
+    """Client half. Subclasses build their modules in `__init__` and register the persistent ones.
+
+    One instance per architecture is cached on a worker and reused for every virtual client of
+    that architecture: the engine loads a client's state in place, calls `receive`, `fit`,
+    `upload`, and stores `state_dict()` again. Whatever is not in `persistent` is transient.
+    """
+
+    def __init__(self, ctx: ClientContext, params: Any) -> None:
+        self.ctx = ctx
+        self.params = params
+        self.persistent: dict[str, nn.Module] = {}
+
+    # -- exchange -------------------------------------------------------------------------------
+    def receive(self, payload: Payload) -> None:
+        """Take the server's broadcast for this round (default: nothing is received)."""
+
+    def upload(self) -> Payload:
+        """What travels to the server after local training (default: nothing)."""
+        return {}
+
+    # -- training -------------------------------------------------------------------------------
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        """Local training. Default: the engine's loop over `training_step` for all persistent modules."""
+        return trainer.run(self.training_step, list(self.persistent.values()))
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_model(self) -> nn.Module:
+        """The personalized model the engine scores on the client's test split."""
+        return self.persistent["model"]
+
+    def eval_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Extra per-batch metrics (means over the batch), averaged by the engine."""
+        return {}
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> Payload:
+        return {
+            f"{name}.{k}": v.detach().cpu().numpy().copy()
+            for name, module in self.persistent.items()
+            for k, v in module.state_dict().items()
+        }
+
+    def load_state_dict(self, state: Payload) -> None:
+        for name, module in self.persistent.items():
+            prefix = f"{name}."
+            module.load_state_dict(
+                {k[len(prefix) :]: torch.from_numpy(np.array(v)) for k, v in state.items() if k.startswith(prefix)}
+            )
+
+    def modules(self) -> list[nn.Module]:
+        """Every module this half owns (the engine moves them to the device and re-initializes them)."""
+        return [m for m in vars(self).values() if isinstance(m, nn.Module)]
+
+
+class Server:
+    """Server half: what goes down, how replies are combined, and any server-side training."""
+
+    def __init__(self, ctx: ServerContext, params: Any) -> None:
+        self.ctx = ctx
+        self.params = params
+
+    def broadcast(self, arch: str) -> Payload:
+        """The payload for clients of architecture `arch` this round (default: nothing)."""
+        return {}
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        """Combine the round's valid replies, sorted by client id (default: nothing to combine)."""
+        return {}
+
+    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+        """Server-side training after aggregation (e.g. distillation). Default: none."""
+        return {}
+
+    def eval_models(self) -> dict[str, nn.Module]:
+        """Server models the engine scores on the server test set, as `<name>/acc`."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: to_numpy(m.state_dict()) for name, m in self.eval_models().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, module in self.eval_models().items():
+            load_numpy(module, state[name])
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A registered algorithm: its halves, hyperparameters and what it needs of the federation."""
+
+    name: str
+    params: type
+    client: type[Client]
+    server: type[Server]
+    needs_homogeneous: bool = False  # one architecture for every client (fedavg, fedprox)
+    needs_common_feature_dim: bool = False  # shares heads/prototypes (lg_fedavg, fedproto, fedgh, fd)
+    needs_public: bool = False  # uses the held-out public split (fedmd, feddf, fedfd)
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """For algorithms without hyperparameters of their own."""
+
+
+def to_numpy(state: Mapping[str, torch.Tensor]) -> Payload:
+    """A torch state dict as detached CPU numpy arrays (the travelling format)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
+    """Load a numpy state dict (possibly read-only, zero-copy from Ray) into `module` in place."""
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict)
+
+
+def payload_nbytes(payload: Mapping[str, Any]) -> int:
+    """Bytes on the wire of a payload (numpy arrays, nested dicts of them)."""
+    total = 0
+    for v in payload.values():
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif isinstance(v, Mapping):
+            total += payload_nbytes(v)
+    return total

@@ -1,0 +1,104 @@
+"""Pure helpers shared by algorithms: averaging, weight caps, update clipping, EMA, KD losses.
+
+All take and return plain numpy state dicts or tensors, so each has a golden-number test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+State = Mapping[str, np.ndarray]
+
+
+def normalized_weights(counts: Sequence[float], cap: float | None = None) -> np.ndarray:
+    """Sample-count weights summing to one; with `cap`, no weight exceeds it (excess spread over the rest).
+
+    The cap is applied by water-filling: capped weights are fixed at `cap` and the remaining mass is
+    redistributed proportionally among the others, repeated until no weight exceeds the cap. When
+    `cap * n < 1` a cap cannot hold and the weights become uniform.
+    """
+    w = np.asarray(counts, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"weights need positive counts, got {counts!r}")
+    w = w / w.sum()
+    if cap is None or cap >= 1.0:
+        return w
+    if cap * len(w) <= 1.0:
+        return np.full_like(w, 1.0 / len(w))
+    capped = np.zeros(len(w), dtype=bool)
+    for _ in range(len(w)):
+        over = (w > cap + 1e-12) & ~capped
+        if not over.any():
+            break
+        capped |= over
+        free = ~capped
+        w[capped] = cap
+        w[free] = w[free] / w[free].sum() * (1.0 - cap * capped.sum())
+    return w
+
+
+def weighted_average(states: Sequence[State], weights: Sequence[float]) -> dict[str, np.ndarray]:
+    """Per-key weighted average of numpy state dicts (weights need not be normalized).
+
+    Integer entries (e.g. BatchNorm's `num_batches_tracked`) take the first state's value.
+    """
+    if not states:
+        raise ValueError("nothing to average")
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out: dict[str, np.ndarray] = {}
+    for key, first in states[0].items():
+        if not np.issubdtype(first.dtype, np.floating):
+            out[key] = np.array(first)
+            continue
+        acc = np.zeros(first.shape, dtype=np.float64)
+        for wi, s in zip(w, states):
+            acc += wi * s[key]
+        out[key] = acc.astype(first.dtype)
+    return out
+
+
+def clip_update(update: State, max_norm: float) -> dict[str, np.ndarray]:
+    """Scale a whole update (a state difference) so that its global L2 norm is at most `max_norm`."""
+    norm = float(np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values())))
+    scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
+    return {k: (v * scale).astype(v.dtype) for k, v in update.items()}
+
+
+def subtract(a: State, b: State) -> dict[str, np.ndarray]:
+    return {k: a[k] - b[k] if np.issubdtype(a[k].dtype, np.floating) else np.array(a[k]) for k in a}
+
+
+def add(a: State, b: State) -> dict[str, np.ndarray]:
+    return {k: a[k] + b[k] if np.issubdtype(a[k].dtype, np.floating) else np.array(a[k]) for k in a}
+
+
+def ema(old: State, new: State, decay: float) -> dict[str, np.ndarray]:
+    """`decay * old + (1 - decay) * new` for float entries; other entries take `new`."""
+    return {
+        k: (decay * old[k] + (1.0 - decay) * new[k]).astype(old[k].dtype)
+        if np.issubdtype(old[k].dtype, np.floating)
+        else np.array(new[k])
+        for k in old
+    }
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton's distillation loss: `T^2 * KL(softmax(teacher/T) || softmax(student/T))`, batch mean.
+
+    Gradients flow into the student only if the caller did not detach it; detach the teacher
+    when it must not move (pFedES: the local model is the proxy's teacher).
+    """
+    t = float(temperature)
+    log_p_student = F.log_softmax(student_logits / t, dim=1)
+    log_p_teacher = F.log_softmax(teacher_logits / t, dim=1)
+    return F.kl_div(log_p_student, log_p_teacher, reduction="batchmean", log_target=True) * (t * t)
+
+
+def logit_kl(a_logits: torch.Tensor, b_logits: torch.Tensor) -> torch.Tensor:
+    """`KL(softmax(a) || softmax(b))`, batch mean, temperature 1 (a diagnostic)."""
+    return F.kl_div(F.log_softmax(b_logits, 1), F.log_softmax(a_logits, 1), reduction="batchmean", log_target=True)

@@ -1,0 +1,258 @@
+"""`rayfl run | validate | ls | bench | compare | tune`.
+
+Every error a user can cause ends in one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rayfl.config import RunConfig, load_config
+from rayfl.errors import UserError
+
+log = logging.getLogger("rayfl")
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{stamp}"
+
+
+def simulate(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    resume: bool = False,
+    parent_run_id: str | None = None,
+    extra_callbacks: Sequence[Any] = (),
+) -> Any:
+    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress)."""
+    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
+    from rayfl.engine.checkpoint import Checkpoint
+    from rayfl.engine.loop import Simulation
+    from rayfl.tracking import make_tracker
+
+    sim = Simulation(cfg, run_dir)
+    out = RunDirectory(run_dir)
+    tracker = make_tracker(
+        cfg.tracking.backend,
+        experiment=cfg.tracking.experiment,
+        run_name=cfg.tracking.run_name or Path(run_dir).name,
+        tracking_uri=cfg.tracking.uri,
+        parent_run_id=parent_run_id,
+    )
+    sim.callbacks = [Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume), out]
+    sim.callbacks += list(extra_callbacks)
+    sim.callbacks.append(TrackerCallback(tracker, out))
+    if progress:
+        sim.callbacks.append(ProgressBar())
+    result = sim.run()
+    result.run_dir = Path(run_dir)
+    result.tracker_run_id = getattr(tracker, "run_id", None)
+    return result
+
+
+def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
+    width = max(len(k) for k, _ in rows)
+    lines = [title] if title else []
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def final_table(result: Any, wall_s: float) -> str:
+    cfg: RunConfig = result.config
+    final = result.final
+    rows: list[tuple[str, str]] = []
+    for key in sorted(final):
+        if key.startswith("personal/acc") and "/arch=" not in key:
+            rows.append((key, f"{final[key]:.4f}"))
+    for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
+        rows.append((key, f"{final[key]:.4f}"))
+    for key in ("proxy/acc", "global/acc", "pfedes/kl_local_proxy", "fedfd/distill_loss"):
+        if key in final:
+            rows.append((key, f"{final[key]:.4f}"))
+    rounds = max(1, len(result.history))
+    rows.append(("comm MB up / down per round", f"{final.get('comm/bytes_up_total', 0) / rounds / 1e6:.3f} / "
+                 f"{final.get('comm/bytes_down_total', 0) / rounds / 1e6:.3f}"))
+    rows.append(("comm MB up / down total", f"{final.get('comm/bytes_up_total', 0) / 1e6:.2f} / "
+                 f"{final.get('comm/bytes_down_total', 0) / 1e6:.2f}"))
+    rows.append(("rounds", f"{len(result.history)}"))
+    mean_round = sum(r["time/round_s"] for r in result.history) / rounds
+    rows.append(("seconds per round (mean)", f"{mean_round:.2f}"))
+    rows.append(("wall time s", f"{wall_s:.1f}"))
+    title = (
+        f"{cfg.name}: {cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
+        f"seed {cfg.seed}, status {result.status}"
+    )
+    return format_table(rows, title)
+
+
+# ------------------------------------------------------------------------------------ commands
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run")
+        cfg = load_config(run_dir / "config.yaml", args.overrides)
+    else:
+        if not args.config:
+            raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+    start = time.perf_counter()
+    result = simulate(cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume))
+    print(final_table(result, time.perf_counter() - start))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    for path in args.configs:
+        describe = validate_file(path, args.overrides)
+        print(f"{path}: ok ({describe})")
+    return 0
+
+
+def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
+    """Validate a run, suite or sweep file; return a one-line description."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    if isinstance(raw, dict) and "suite" in raw:
+        from rayfl.compare import load_suite
+
+        suite = load_suite(path, overrides)
+        return f"suite of {len(suite.runs)} runs"
+    if isinstance(raw, dict) and "sweep" in raw:
+        from rayfl.tune import load_sweep
+
+        sweep = load_sweep(path, overrides)
+        return f"sweep over {', '.join(sweep.space)}"
+    cfg = load_config(path, overrides)
+    archs = check_family(cfg)
+    return f"{cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, {len(set(archs))} architectures"
+
+
+def check_family(cfg: RunConfig) -> list[str]:
+    """Checks that need the family but no data: names, proportions, homogeneity."""
+    from rayfl.models.families import family_from_config
+    from rayfl.registry import ALGORITHMS
+
+    family = family_from_config(cfg.model.family, cfg.model.architectures)
+    archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
+    algo = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+    if algo.needs_homogeneous and len(set(archs)) > 1:
+        raise UserError(
+            f"algorithm.name={algo.name} needs one architecture but model.family={family.name} has "
+            f"{len(set(archs))}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
+        )
+    if algo.needs_public and cfg.data.public_fraction <= 0:
+        raise UserError(f"algorithm.name={algo.name} needs data.public_fraction > 0 (e.g. 0.1)")
+    return archs
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from rayfl.registry import ALGORITHMS, DATASETS, FAMILIES, MODELS, PARTITIONERS
+
+    print("algorithms:")
+    for name, algo in ALGORITHMS.items():
+        print(f"  {name:12s} {algo.summary}")
+    print("models:      " + ", ".join(MODELS.names()))
+    print("families:")
+    for name, fam in FAMILIES.items():
+        print(f"  {name:14s} {', '.join(fam.architectures)}")
+    print("datasets:    " + ", ".join(DATASETS.names()))
+    print("partitioners: " + ", ".join(PARTITIONERS.names()))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rayfl.bench import run_bench
+
+    print(run_bench(args.config, args.overrides))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rayfl.compare import run_suite
+
+    print(run_suite(args.suite, args.overrides, out=args.out))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from rayfl.tune import run_sweep
+
+    print(run_sweep(args.sweep, args.overrides, out=args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayfl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run one simulation")
+    p.add_argument("config", nargs="?", help="experiment YAML")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. engine.rounds=5")
+    p.add_argument("--out", help="run directory (default runs/<name>-<algorithm>-s<seed>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("validate", help="check experiment, suite or sweep files without running them")
+    p.add_argument("configs", nargs="+")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="key=value override")
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("ls", help="list algorithms, models, families, datasets, partitioners")
+    p.set_defaults(fn=cmd_ls)
+
+    p = sub.add_parser("bench", help="serial vs Ray executor on one workload, side by side")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("compare", help="run a comparison suite (algorithms x seeds on one partition)")
+    p.add_argument("suite")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", help="output directory")
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("tune", help="a Ray Tune sweep logged to MLflow")
+    p.add_argument("sweep")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", help="output directory")
+    p.set_defaults(fn=cmd_tune)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    try:
+        return int(args.fn(args) or 0)
+    except UserError as exc:
+        print(f"rayfl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rayfl: interrupted; the run directory keeps the last checkpoint (rayfl run --resume DIR)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

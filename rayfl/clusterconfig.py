@@ -1,0 +1,247 @@
+"""Offline validation of a Ray cluster launcher config (``cluster.yaml``).
+
+``ray up`` only reports many mistakes after it has talked to the cloud (or not at all: a
+fractional GPU resource is accepted and then never schedules). This module catches them on the
+laptop, without credentials, in under a second:
+
+1. the JSON schema that ships with Ray (``ray/autoscaler/ray-schema.json``): unknown keys,
+   wrong types, a missing ``provider.type``, non-integer node resources;
+2. checks the schema cannot express: ``head_node_type`` names a defined node type, worker
+   bounds are consistent, node resources are true integers (the schema lets ``1.0`` through);
+3. Ray's own offline config preparation (``prepare_config``: merges the provider defaults,
+   Docker and min/max-worker filling) followed by Ray's ``validate_config`` on the result,
+   which is what ``ray up`` runs before it contacts the provider.
+
+Every problem raises :class:`~rayfl.errors.ConfigError` naming the JSON path (``$.a.b``).
+
+Example:
+    >>> from rayfl.clusterconfig import validate_cluster_config
+    >>> config = validate_cluster_config("cluster.yaml")  # doctest: +SKIP
+    >>> config["head_node_type"]  # doctest: +SKIP
+    'ray.head.cpu'
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayfl.errors import ConfigError, suggest
+
+logger = logging.getLogger(__name__)
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Provider types Ray's launcher understands; used only when Ray's own table cannot be read.
+_FALLBACK_PROVIDER_TYPES = (
+    "aws",
+    "gcp",
+    "azure",
+    "aliyun",
+    "vsphere",
+    "local",
+    "readonly",
+    "spark",
+    "kuberay",
+    "external",
+)
+
+
+def json_path(parts: Iterable[str | int]) -> str:
+    """Format a sequence of keys/indices as a JSON path, e.g. ``$.a["x.y"][0]``.
+
+    Keys that are not plain identifiers (node type names such as ``ray.head.cpu``) are quoted
+    so the path stays unambiguous.
+    """
+    out = "$"
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _IDENT.match(part):
+            out += f".{part}"
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out
+
+
+def ray_schema_path() -> Path:
+    """Return the path of the cluster launcher JSON schema shipped with the installed Ray."""
+    import ray.autoscaler
+
+    return Path(ray.autoscaler.__file__).parent / "ray-schema.json"
+
+
+def _load_schema() -> dict[str, Any]:
+    path = ray_schema_path()
+    if not path.is_file():
+        raise ConfigError(f"Ray's schema {path} is missing; reinstall ray[default]")
+    with path.open() as f:
+        schema: dict[str, Any] = json.load(f)
+    return schema
+
+
+def _provider_types() -> list[str]:
+    try:
+        from ray.autoscaler._private.providers import _DEFAULT_CONFIGS
+    except ImportError:  # Ray moved its internals: the list above is good enough for hints.
+        return list(_FALLBACK_PROVIDER_TYPES)
+    return sorted({*_DEFAULT_CONFIGS, "external", "kuberay"})
+
+
+def _schema_error_message(error: Any) -> str:
+    """Turn a jsonschema ValidationError into 'path: problem (hint)'."""
+    parts: list[str | int] = list(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = set(error.schema.get("properties", {}))
+        patterns = [re.compile(p) for p in error.schema.get("patternProperties", {})]
+        extra = sorted(
+            k for k in error.instance if k not in allowed and not any(p.search(k) for p in patterns)
+        )
+        if extra:
+            key = extra[0]
+            return (
+                f"{json_path([*parts, key])}: unknown key{suggest(key, allowed)}; remove or fix it"
+            )
+    if error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        if missing:
+            return f"{json_path([*parts, missing[0]])}: required key is missing"
+    if (
+        error.validator == "type"
+        and error.validator_value == "integer"
+        and "resources" in parts[:-1]
+    ):
+        return (
+            f"{json_path(parts)}: node resources must be non-negative integers, got "
+            f"{error.instance!r} (give actors fractional shares instead, e.g. num_gpus=0.25)"
+        )
+    return f"{json_path(parts)}: {error.message}"
+
+
+def _check_schema(config: dict[str, Any], schema: dict[str, Any]) -> None:
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator = validator_cls(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.path])
+    if not errors:
+        return
+    more = f" (+{len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    raise ConfigError(f"{_schema_error_message(errors[0])}{more}")
+
+
+def _check_resources(node_types: dict[str, Any]) -> None:
+    for name, node_type in node_types.items():
+        resources = node_type.get("resources", {}) or {}
+        for key, value in resources.items():
+            # bool is an int subclass and 1.0 passes the schema's "integer": Ray needs ints.
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                path = json_path(["available_node_types", name, "resources", key])
+                raise ConfigError(
+                    f"{path}: node resources must be non-negative integers, "
+                    f"got {value!r} (give actors fractional shares instead, e.g. num_gpus=0.25)"
+                )
+
+
+def _check_node_types(config: dict[str, Any]) -> None:
+    node_types = config.get("available_node_types")
+    if node_types is None:
+        return  # Ray fills in the provider's default head and worker types.
+    if not node_types:
+        raise ConfigError("$.available_node_types: is empty; define a head node type")
+    head = config.get("head_node_type")
+    if head is None:
+        raise ConfigError(
+            "$.head_node_type: required when available_node_types is set; "
+            f"name one of {sorted(node_types)}"
+        )
+    if head not in node_types:
+        raise ConfigError(
+            f"$.head_node_type: {head!r} is not defined in "
+            f"available_node_types{suggest(head, node_types)}; choose one of {sorted(node_types)}"
+        )
+    _check_resources(node_types)
+    total_min = 0
+    for name, node_type in node_types.items():
+        lo, hi = node_type.get("min_workers", 0), node_type.get("max_workers")
+        if hi is not None and lo > hi:
+            path = json_path(["available_node_types", name, "min_workers"])
+            raise ConfigError(f"{path}: min_workers={lo} exceeds max_workers={hi}")
+        total_min += lo
+    cluster_max = config.get("max_workers")
+    if cluster_max is not None and total_min > cluster_max:
+        raise ConfigError(
+            f"$.max_workers: {cluster_max} is below the sum of the node "
+            f"types' min_workers ({total_min}); raise max_workers or lower min_workers"
+        )
+
+
+def _check_provider(config: dict[str, Any]) -> None:
+    kind = config["provider"]["type"]
+    known = _provider_types()
+    if kind not in known:
+        raise ConfigError(
+            f"$.provider.type: unsupported provider {kind!r}"
+            f"{suggest(kind, known)}; choose one of {known}"
+        )
+
+
+def _ray_prepare(config: dict[str, Any]) -> dict[str, Any]:
+    """Run Ray's offline preparation and validation (what ``ray up`` does before the cloud)."""
+    try:
+        from ray.autoscaler._private.util import prepare_config, validate_config
+    except ImportError:
+        logger.warning(
+            "Ray's prepare_config/validate_config are not importable from this Ray version; "
+            "the cluster config was only checked against the schema"
+        )
+        return config
+    try:
+        prepared: dict[str, Any] = prepare_config(copy.deepcopy(config))
+        validate_config(prepared)
+    except Exception as exc:  # noqa: BLE001 - Ray raises ValueError, AssertionError, jsonschema errors...
+        path = [str(p) for p in getattr(exc, "absolute_path", [])]
+        where = f"{json_path(path)}: " if path else ""
+        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        raise ConfigError(f"{where}{message}") from exc
+    return prepared
+
+
+def validate_cluster_config(path: str | Path) -> dict[str, Any]:
+    """Validate a Ray cluster launcher YAML offline and return Ray's prepared config.
+
+    Args:
+        path: The cluster YAML (e.g. the repository's ``cluster.yaml``).
+
+    Returns:
+        The config as Ray prepares it for ``ray up``: provider defaults merged in, setup
+        commands merged, per-node-type ``min_workers``/``max_workers`` filled.
+
+    Raises:
+        ConfigError: The file is missing or not YAML, or a key, type or value is invalid; the
+            message names the JSON path of the first problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster config: {path} does not exist; pass the path of cluster.yaml")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster config: {path} is not valid YAML: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"cluster config {path}: $: expected a mapping at the top level")
+    try:
+        _check_schema(config, _load_schema())
+        _check_provider(config)
+        _check_node_types(config)
+        return _ray_prepare(config)
+    except ConfigError as exc:
+        # Prefix the file so several configs can be told apart in one log.
+        raise ConfigError(f"cluster config {path}: {exc}") from exc.__cause__

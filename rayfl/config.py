@@ -1,0 +1,401 @@
+"""Run configuration: frozen dataclasses, YAML loading, dotted `key=value` overrides, strict checks.
+
+A YAML file mirrors `RunConfig`. Unknown keys, wrong types and impossible values raise
+`ConfigError` naming the dotted key and the fix. The `algorithm` section holds `name` plus the
+fields of that algorithm's own frozen `Params` dataclass (declared beside the algorithm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rayfl.errors import ConfigError, require, suggest
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How the training set is split across clients (see `rayfl.data.partition`)."""
+
+    name: str = "dirichlet"
+    alpha: float = 0.5  # Dirichlet concentration: smaller = more skewed labels
+    min_samples: int = 10  # dirichlet: resample until every client has at least this many
+    classes_per_client: int = 2  # pathological: k classes per client
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "fmnist"
+    root: str | None = None  # None: $RAYFL_DATA or ~/.cache/rayfl/data
+    num_clients: int = 20
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    test_fraction: float = 0.2  # per-client local test split, same label distribution as its train split
+    public_fraction: float = 0.0  # held-out public / distillation split taken before partitioning
+    train_samples: int | None = None  # seeded subset of the training set (None: all of it)
+    options: dict[str, Any] = field(default_factory=dict)  # dataset-specific (e.g. synthetic sizes)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "seed3"
+    architectures: tuple[str, ...] | None = None  # explicit list instead of a named family
+    proportions: tuple[float, ...] | None = None  # None: round-robin assignment
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The engine's one minibatch loop, shared by every algorithm."""
+
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    grad_clip: float | None = None  # max L2 norm of the gradient per step
+    eval_batch_size: int = 512
+
+
+@dataclass(frozen=True)
+class Resources:
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0  # fractions share one GPU (bookkeeping only: Ray does not cap memory)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    rounds: int = 10
+    fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
+    clients_per_round: int | None = None  # overrides `fraction` when set
+    executor: Literal["serial", "ray"] = "ray"
+    num_workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) allow
+    worker_resources: Resources = field(default_factory=Resources)
+    # The server runs between the workers' phases, so by default it reserves no CPU of its own.
+    server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    address: str | None = None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
+    ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    eval_every: int = 1
+    clients_per_call: int = 4  # clients one worker trains per Ray call
+    num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
+    round_timeout_s: float | None = None  # deadline for a round's clients (None: wait for all)
+    min_replies: int = 1  # a round needs at least this many valid replies
+    max_retries: int = 2  # re-runs of a client batch whose worker died
+    checkpoint_every: int = 1  # rounds between checkpoints in the run directory (0: never)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    backend: Literal["mlflow", "stdout", "none"] = "mlflow"
+    experiment: str = "rayfl"
+    run_name: str | None = None
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str
+    params: Any  # the algorithm's own frozen Params dataclass instance
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    algorithm: AlgorithmConfig
+    name: str = "run"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed{suggest(str(value), map(str, args))}; "
+                f"choose one of {', '.join(map(str, args))}"
+            )
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=f"{key}.")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
+        item_tp = args[0] if args else Any
+        return tuple(_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
+                f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
+            )
+    kwargs = {name: _convert(data[name], hints[name], f"{prefix}{name}") for name in fields if name in data}
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a', 'b', 'c'], value), the value parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. engine.rounds=5)")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of the nested dict `raw` with dotted overrides applied."""
+    out = _deepcopy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, Mapping):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
+    from rayfl.registry import ALGORITHMS
+
+    if not isinstance(data, Mapping) or "name" not in data:
+        raise ConfigError("missing key algorithm.name: name an algorithm (see `rayfl ls`)")
+    data = dict(data)
+    name = data.pop("name")
+    if not isinstance(name, str):
+        raise ConfigError(f"algorithm.name: expected a string, got {name!r}")
+    algo = ALGORITHMS.get(name, key="algorithm.name")
+    if dropped_ok:
+        # The name was switched on the command line: the file's settings for the other
+        # algorithm do not apply to this one, so they are left out rather than refused.
+        valid = {f.name for f in dataclasses.fields(algo.params)}
+        data = {k: v for k, v in data.items() if k in valid}
+    return AlgorithmConfig(name=name, params=from_dict(algo.params, data, prefix="algorithm."))
+
+
+def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:
+    """Validated `RunConfig` from a nested dict plus dotted overrides."""
+    file_algorithm = dict(raw.get("algorithm") or {}) if isinstance(raw, Mapping) else {}
+    merged = apply_overrides(dict(raw), overrides)
+    renamed = any(o.split("=", 1)[0].strip() == "algorithm.name" for o in overrides)
+    if renamed and file_algorithm:
+        # The file's keys for the old algorithm are dropped; the command line's stay strict.
+        explicit = {
+            o.split("=", 1)[0].strip()[len("algorithm.") :]
+            for o in overrides
+            if o.startswith("algorithm.")
+        }
+        algo_cfg = _algorithm_from_dict(merged.get("algorithm"), dropped_ok=True)
+        _check_explicit(algo_cfg, explicit)
+    else:
+        algo_cfg = _algorithm_from_dict(merged.get("algorithm"), dropped_ok=False)
+    rest = {k: v for k, v in merged.items() if k != "algorithm"}
+    rest["algorithm"] = {}
+    hints = typing.get_type_hints(RunConfig)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    for key in rest:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {key}{suggest(str(key), fields)}; valid top-level keys: {', '.join(sorted(fields))}"
+            )
+    kwargs: dict[str, Any] = {"algorithm": algo_cfg}
+    for key, value in rest.items():
+        if key != "algorithm":
+            kwargs[key] = _convert(value, hints[key], key)
+    cfg = RunConfig(**kwargs)
+    check(cfg)
+    return cfg
+
+
+def _check_explicit(algo_cfg: AlgorithmConfig, explicit: set[str]) -> None:
+    valid = {f.name for f in dataclasses.fields(algo_cfg.params)} | {"name"}
+    for key in explicit:
+        if key not in valid:
+            raise ConfigError(
+                f"unknown key algorithm.{key} for algorithm {algo_cfg.name!r}{suggest(key, valid)}; "
+                f"valid keys: {', '.join(sorted(valid))}"
+            )
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a YAML experiment file and apply `key=value` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: check the path (examples live in experiments/)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return build_config(raw, overrides)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested dict of a config (the algorithm section flattened to name + params)."""
+    if isinstance(cfg, AlgorithmConfig):
+        return {"name": cfg.name, **to_dict(cfg.params)}
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check(cfg: RunConfig) -> None:
+    """Cross-field checks that need no data: ranges and registry names."""
+    from rayfl.registry import DATASETS, PARTITIONERS
+
+    d, e, t = cfg.data, cfg.engine, cfg.train
+    if d.dataset not in DATASETS:
+        DATASETS.get(d.dataset, key="data.dataset")
+    if d.partition.name not in PARTITIONERS:
+        PARTITIONERS.get(d.partition.name, key="data.partition.name")
+    require(d.num_clients >= 1, "data.num_clients", f"must be at least 1 (got {d.num_clients})")
+    require(d.partition.alpha > 0, "data.partition.alpha", f"must be > 0 (got {d.partition.alpha})")
+    require(0.0 < d.test_fraction < 1.0, "data.test_fraction", f"must be in (0, 1) (got {d.test_fraction})")
+    require(0.0 <= d.public_fraction < 1.0, "data.public_fraction", f"must be in [0, 1) (got {d.public_fraction})")
+    require(e.rounds >= 1, "engine.rounds", f"must be at least 1 (got {e.rounds})")
+    require(
+        0.0 < e.fraction <= 1.0, "engine.fraction", f"must be in (0, 1] (got {e.fraction}); 1.0 samples every client"
+    )
+    if e.clients_per_round is not None:
+        require(
+            1 <= e.clients_per_round <= d.num_clients,
+            "engine.clients_per_round",
+            f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
+            f"lower it or raise data.num_clients",
+        )
+    require(e.eval_every >= 1, "engine.eval_every", f"must be at least 1 (got {e.eval_every})")
+    require(e.clients_per_call >= 1, "engine.clients_per_call", "must be at least 1")
+    require(e.min_replies >= 1, "engine.min_replies", "must be at least 1")
+    require(e.num_workers is None or e.num_workers >= 1, "engine.num_workers", "must be at least 1")
+    for name, res in (("worker_resources", e.worker_resources), ("server_resources", e.server_resources)):
+        for attr in ("num_cpus", "num_gpus"):
+            value = getattr(res, attr)
+            require(value >= 0, f"engine.{name}.{attr}", f"must be >= 0 (got {value})")
+            require(
+                value <= 1 or float(value).is_integer(),
+                f"engine.{name}.{attr}",
+                f"fractions above 1 must be whole numbers (got {value})",
+            )
+    require(e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
+            "engine.worker_resources", "a worker must reserve some CPU or GPU")
+    require(t.local_epochs >= 0, "train.local_epochs", "must be >= 0")
+    require(t.batch_size >= 1, "train.batch_size", "must be at least 1")
+    require(t.lr > 0, "train.lr", f"must be > 0 (got {t.lr})")
+    require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    require(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip", "must be > 0 or null")
+    if cfg.model.proportions is not None:
+        require(all(p > 0 for p in cfg.model.proportions), "model.proportions", "every proportion must be > 0")
+
+
+def clients_per_round(cfg: RunConfig) -> int:
+    e = cfg.engine
+    if e.clients_per_round is not None:
+        return e.clients_per_round
+    return max(1, round(e.fraction * cfg.data.num_clients))

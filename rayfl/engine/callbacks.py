@@ -1,0 +1,164 @@
+"""Cross-cutting concerns of a run, as callbacks: progress bar, run directory, tracker, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from rayfl.config import flatten, to_dict
+
+if TYPE_CHECKING:
+    from rayfl.engine.loop import Simulation
+    from rayfl.tracking.base import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class Callback:
+    """Hooks the round loop calls; `should_stop` ends the run after the current round."""
+
+    should_stop = False
+
+    def on_run_start(self, sim: Simulation) -> None:
+        pass
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        pass
+
+
+class ProgressBar(Callback):
+    """One tqdm bar over rounds showing elapsed time and the current personalized accuracy."""
+
+    def __init__(self, desc: str = "") -> None:
+        self.desc = desc
+        self.bar: Any = None
+
+    def on_run_start(self, sim: Simulation) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=sim.cfg.engine.rounds,
+            initial=sim.start_round - 1,
+            desc=self.desc or sim.cfg.algorithm.name,
+            unit="round",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        post = {"round": round_idx}
+        for key, short in (("personal/acc", "acc"), ("proxy/acc", "proxy"), ("global/acc", "global")):
+            if key in metrics:
+                post[short] = f"{metrics[key]:.4f}"  # type: ignore[assignment]
+        post["s/round"] = f"{metrics['time/round_s']:.1f}"  # type: ignore[assignment]
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def versions() -> dict[str, str]:
+    import numpy
+    import ray
+    import torch
+
+    import rayfl
+
+    return {
+        "rayfl": rayfl.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+class RunDirectory(Callback):
+    """Writes the run directory: config.yaml, partition Parquet and plot, metrics.parquet after every
+    round (so a crash loses no measured round), summary.json and plots at the end."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.started = time.time()
+        self.artifacts: list[Path] = []
+
+    def on_run_start(self, sim: Simulation) -> None:
+        from rayfl.data.federated import plot_label_distribution, save_partition
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(to_dict(sim.cfg), sort_keys=False))
+        self.artifacts = [config_path]
+        self.artifacts += save_partition(sim.federation, self.run_dir)
+        self.artifacts.append(plot_label_distribution(sim.federation, self.run_dir / "label_distribution.png"))
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
+
+        history = sim.result.history
+        summary = {
+            "status": status,
+            "name": sim.cfg.name,
+            "seed": sim.cfg.seed,
+            "rounds": len(history),
+            "wall_s": time.time() - self.started,
+            "final": sim.result.final,
+            "config": to_dict(sim.cfg),
+            "versions": versions(),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.artifacts += [self.run_dir / "summary.json"]
+        if history:
+            write_metrics(history, self.run_dir / "metrics.parquet")
+            self.artifacts.append(self.run_dir / "metrics.parquet")
+            self.artifacts.append(plot_learning_curves(history, self.run_dir / "learning_curves.png", title=sim.cfg.name))
+            if any(k.startswith("personal/acc/arch=") for k in history[-1]):
+                self.artifacts.append(plot_per_architecture(history, self.run_dir / "per_architecture.png"))
+
+
+def write_metrics(history: list[dict[str, float]], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
+    table = pa.table({k: [row.get(k) for row in history] for k in keys})
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+class TrackerCallback(Callback):
+    """Sends config, per-round metrics and the run directory's artifacts to a `Tracker` (MLflow)."""
+
+    def __init__(self, tracker: Tracker, run_dir: RunDirectory | None = None) -> None:
+        self.tracker = tracker
+        self.run_dir = run_dir
+
+    def on_run_start(self, sim: Simulation) -> None:
+        self.tracker.log_config(flatten(to_dict(sim.cfg)))
+        self.tracker.set_tags({"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset})
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=round_idx)
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        if self.run_dir is not None:
+            for path in self.run_dir.artifacts:
+                if Path(path).exists():
+                    self.tracker.log_artifact(path)
+        self.tracker.close(status)

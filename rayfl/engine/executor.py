@@ -1,0 +1,279 @@
+"""Executors: where clients train and the server runs. Both run the same runners.
+
+`SerialExecutor` runs everything in this process (debugging, tiny tests). `RayExecutor` runs a
+pool of long-lived `ClientWorker` actors with fractional CPU/GPU reservations and a `ServerActor`;
+client state stays in Ray's object store as references the driver owns, never in its heap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import suppress
+from typing import Any
+
+import ray
+
+from rayfl.algorithms.base import Payload
+from rayfl.config import RunConfig
+from rayfl.data.federated import Federation
+from rayfl.engine.server import ServerActor, ServerRunner
+from rayfl.engine.spec import RunSpec, resolve_device
+from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
+from rayfl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class Executor(ABC):
+    """The primitives the round loop calls. Handles are values (serial) or ObjectRefs (Ray)."""
+
+    spec: RunSpec
+
+    @abstractmethod
+    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
+        """Payload sizes and handles, one per architecture among this round's clients."""
+
+    @abstractmethod
+    def fit(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
+    ) -> tuple[list[ClientMetrics], list[Any]]:
+        """Train the clients; returns their metrics and handles of their reply lists."""
+
+    @abstractmethod
+    def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]: ...
+
+    @abstractmethod
+    def server_state(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_server_state(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        """Yield `(client id, state)` one at a time (checkpoints stream them to disk)."""
+
+    @abstractmethod
+    def load_client_state(self, client_id: int, state: Payload) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release workers and the server."""
+
+
+def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
+    return [list(ids[i : i + size]) for i in range(0, len(ids), size)]
+
+
+class SerialExecutor(Executor):
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+        self.spec = spec
+        device = resolve_device(spec.device)
+        self.runner = ClientRunner(spec, federation, device)
+        self.server = ServerRunner(spec, federation, device)
+        self.states: dict[int, Payload] = {}
+
+    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
+        sizes, payloads = self.server.broadcast(archs)
+        return sizes, dict(zip(archs, payloads))
+
+    def fit(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
+    ) -> tuple[list[ClientMetrics], list[Any]]:
+        states = [self.states.get(c) for c in client_ids]
+        metrics, replies, new_states = self.runner.fit(round_idx, client_ids, payloads, states, evaluate)
+        self.states.update(zip(client_ids, new_states))
+        return metrics, [replies]
+
+    def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
+        return self.server.step(round_idx, replies, evaluate)
+
+    def server_state(self) -> dict[str, Any]:
+        return self.server.state_dict()
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state)
+
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        for c in client_ids:
+            if c in self.states:
+                yield c, self.states[c]
+
+    def load_client_state(self, client_id: int, state: Payload) -> None:
+        self.states[client_id] = state
+
+
+def init_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Start a private local Ray (or join `address`); returns True when this call started it."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(address="local", num_cpus=num_cpus, **kwargs)
+    except ConnectionError as exc:
+        raise UserError(
+            f"could not reach the Ray cluster at engine.address={address!r} ({exc}); start one with "
+            "`ray start --head`, check the address, or drop engine.address to run a local Ray"
+        ) from None
+    return True
+
+
+def plan_workers(cfg: RunConfig, per_round: int) -> int:
+    """How many workers fit the cluster with `engine.worker_resources` (after the server's share)."""
+    e = cfg.engine
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        raise UserError(
+            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
+            f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
+        )
+    fits = []
+    if w.num_cpus > 0:
+        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
+    if w.num_gpus > 0:
+        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
+    capacity = min(fits)
+    if capacity < 1:
+        raise UserError(
+            f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
+            f"has {cpus:g} CPU / {gpus:g} GPU (server takes {s.num_cpus:g} / {s.num_gpus:g}); lower "
+            "engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
+        )
+    wanted = e.num_workers or math.ceil(per_round / e.clients_per_call)
+    if e.num_workers and e.num_workers > capacity:
+        raise UserError(
+            f"engine.num_workers={e.num_workers} workers need more than the cluster has "
+            f"(room for {capacity}); lower engine.num_workers or engine.worker_resources"
+        )
+    return max(1, min(wanted, capacity))
+
+
+class RayExecutor(Executor):
+    def __init__(self, spec: RunSpec, federation: Federation, cfg: RunConfig, per_round: int) -> None:
+        self.spec = spec
+        self.cfg = cfg
+        self._started_ray = init_ray(cfg.engine.address, cfg.engine.ray_num_cpus)
+        e = cfg.engine
+        try:
+            self.num_workers = plan_workers(cfg, per_round)
+            # The dataset goes into the object store once; every actor maps it zero-copy.
+            self._federation_ref = ray.put(federation)
+            self._worker_cls = ray.remote(ClientWorker).options(
+                num_cpus=e.worker_resources.num_cpus, num_gpus=e.worker_resources.num_gpus, max_restarts=0
+            )
+            self.workers = [self._new_worker() for _ in range(self.num_workers)]
+            self.server = (
+                ray.remote(ServerActor)
+                .options(num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus)
+                .remote(spec, self._federation_ref)
+            )
+            ray.get([w.info.remote() for w in self.workers] + [self.server.device.remote()])
+        except Exception:
+            self.close()
+            raise
+        self.states: dict[int, ray.ObjectRef] = {}
+        log.info("Ray executor: %d workers", self.num_workers)
+
+    def _new_worker(self) -> Any:
+        return self._worker_cls.remote(self.spec, self._federation_ref)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return ray.get([w.info.remote() for w in self.workers])
+
+    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
+        refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(list(archs))
+        return ray.get(refs[0]), dict(zip(archs, refs[1:]))
+
+    def fit(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
+    ) -> tuple[list[ClientMetrics], list[Any]]:
+        e = self.cfg.engine
+        pending = deque(_batches(list(client_ids), e.clients_per_call))
+        retries: dict[tuple[int, ...], int] = {}
+        idle = deque(range(len(self.workers)))
+        running: dict[Any, tuple[int, list[int], list[Any]]] = {}
+        metrics: list[ClientMetrics] = []
+        reply_refs: list[Any] = []
+        deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
+        while pending or running:
+            while pending and idle:
+                batch = pending.popleft()
+                slot = idle.popleft()
+                refs = (
+                    self.workers[slot]
+                    .fit.options(num_returns=2 + len(batch))
+                    .remote(round_idx, batch, payloads, evaluate, *[self.states.get(c) for c in batch])
+                )
+                running[refs[0]] = (slot, batch, refs)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+            if not done:
+                log.warning(
+                    "round %d: deadline engine.round_timeout_s=%s passed; %d client batches dropped",
+                    round_idx, e.round_timeout_s, len(running) + len(pending),
+                )
+                for ref in running:
+                    with suppress(Exception):
+                        ray.cancel(ref)
+                break
+            slot, batch, refs = running.pop(done[0])
+            try:
+                metrics.extend(ray.get(refs[0]))
+            except ray.exceptions.RayActorError:
+                key = tuple(batch)
+                retries[key] = retries.get(key, 0) + 1
+                if retries[key] > e.max_retries:
+                    raise UserError(
+                        f"round {round_idx}: clients {batch} failed {retries[key]} times (worker died); "
+                        "check memory (engine.worker_resources) or raise engine.max_retries"
+                    ) from None
+                log.warning("round %d: a worker died; retrying clients %s on a new worker", round_idx, batch)
+                self.workers[slot] = self._new_worker()
+                pending.appendleft(batch)
+                idle.append(slot)
+                continue
+            reply_refs.append(refs[1])
+            self.states.update(zip(batch, refs[2:]))
+            idle.append(slot)
+        return metrics, reply_refs
+
+    def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
+        return ray.get(self.server.step.remote(round_idx, evaluate, *replies))
+
+    def server_state(self) -> dict[str, Any]:
+        return ray.get(self.server.state_dict.remote())
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        ray.get(self.server.load_state_dict.remote(state))
+
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        for c in client_ids:
+            if c in self.states:
+                yield c, ray.get(self.states[c])
+
+    def load_client_state(self, client_id: int, state: Payload) -> None:
+        self.states[client_id] = ray.put(state)
+
+    def close(self) -> None:
+        for actor in [*getattr(self, "workers", []), getattr(self, "server", None)]:
+            if actor is not None:
+                with suppress(Exception):
+                    ray.kill(actor)
+        self.states = {}
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def make_executor(cfg: RunConfig, spec: RunSpec, federation: Federation, per_round: int) -> Executor:
+    if cfg.engine.executor == "serial":
+        return SerialExecutor(spec, federation)
+    return RayExecutor(spec, federation, cfg, per_round)

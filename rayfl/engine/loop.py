@@ -1,0 +1,228 @@
+"""The one round loop.
+
+    sample clients (seeded) -> server.broadcast -> executor.fit (workers train batches of clients)
+    -> server step (aggregate, server update, evaluate) -> metrics -> callbacks
+
+Everything else (what is trained and shared) is the algorithm's; where it runs is the executor's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayfl.algorithms.base import Algorithm, TrainSettings
+from rayfl.config import RunConfig, clients_per_round
+from rayfl.data.datasets import load_dataset
+from rayfl.data.federated import Federation, build_federation
+from rayfl.engine.callbacks import Callback
+from rayfl.engine.executor import Executor, make_executor
+from rayfl.engine.sampling import sample_clients
+from rayfl.engine.spec import RunSpec
+from rayfl.engine.worker import ClientMetrics
+from rayfl.errors import ConfigError
+from rayfl.models.families import family_from_config
+from rayfl.registry import ALGORITHMS, PARTITIONERS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    history: list[dict[str, float]] = field(default_factory=list)
+    status: str = "FINISHED"
+    run_dir: Path | None = None
+    tracker_run_id: str | None = None
+
+    @property
+    def final(self) -> dict[str, float]:
+        """The last value of every metric over the run."""
+        out: dict[str, float] = {}
+        for row in self.history:
+            out.update(row)
+        return out
+
+
+def partition_options(cfg: RunConfig) -> dict[str, Any]:
+    """The partition settings the chosen partitioner accepts."""
+    fn = PARTITIONERS.get(cfg.data.partition.name, key="data.partition.name")
+    accepted = inspect.signature(fn).parameters
+    p = cfg.data.partition
+    return {k: getattr(p, k) for k in ("alpha", "min_samples", "classes_per_client") if k in accepted}
+
+
+def prepare_federation(cfg: RunConfig) -> Federation:
+    dataset = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
+    return build_federation(
+        dataset,
+        num_clients=cfg.data.num_clients,
+        partitioner=cfg.data.partition.name,
+        partition_options=partition_options(cfg),
+        seed=cfg.seed,
+        test_fraction=cfg.data.test_fraction,
+        public_fraction=cfg.data.public_fraction,
+        train_samples=cfg.data.train_samples,
+    )
+
+
+def check_algorithm_fits(algo: Algorithm, cfg: RunConfig, archs: list[str], federation: Federation) -> None:
+    """Refuse algorithm/family/data combinations that cannot work, naming the fix."""
+    family = family_from_config(cfg.model.family, cfg.model.architectures)
+    distinct = sorted(set(archs))
+    if algo.needs_homogeneous and len(distinct) > 1:
+        raise ConfigError(
+            f"algorithm.name={algo.name} averages whole models and needs one architecture, but model.family="
+            f"{family.name} has {', '.join(distinct)}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
+        )
+    if algo.needs_common_feature_dim:
+        dims = family.feature_dims(federation.dataset.in_shape, federation.dataset.num_classes)
+        if len({dims[a] for a in distinct}) > 1:
+            raise ConfigError(
+                f"algorithm.name={algo.name} shares heads/prototypes and needs one feature size, but model.family="
+                f"{family.name} has feature sizes {dims}; pick a family with a common feature size (seed3, cnn5)"
+            )
+    if algo.needs_public and len(federation.public) == 0:
+        raise ConfigError(
+            f"algorithm.name={algo.name} needs a public/distillation split; set data.public_fraction (e.g. 0.1)"
+        )
+
+
+def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSpec:
+    e, t = cfg.engine, cfg.train
+    threads = e.num_threads or max(1, int(e.worker_resources.num_cpus))
+    return RunSpec(
+        algorithm=cfg.algorithm.name,
+        params=cfg.algorithm.params,
+        train=TrainSettings(
+            local_epochs=t.local_epochs,
+            batch_size=t.batch_size,
+            lr=t.lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            optimizer=t.optimizer,
+            grad_clip=t.grad_clip,
+            eval_batch_size=t.eval_batch_size,
+        ),
+        seed=cfg.seed,
+        archs=tuple(archs),
+        in_shape=tuple(federation.dataset.in_shape),
+        num_classes=federation.dataset.num_classes,
+        device=e.device,
+        num_threads=threads,
+        min_replies=e.min_replies,
+    )
+
+
+def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
+    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, extras."""
+    out: dict[str, float] = {}
+    scored = [r for r in rows if "acc" in r]
+    if scored:
+        acc = np.array([r["acc"] for r in scored])
+        n = np.array([r["num_test"] for r in scored])
+        out["personal/acc"] = float((acc * n).sum() / n.sum())
+        out["personal/acc_mean"] = float(acc.mean())
+        out["personal/acc_std"] = float(acc.std())
+        k = max(1, int(np.ceil(0.1 * len(acc))))
+        out["personal/acc_worst10"] = float(np.sort(acc)[:k].mean())
+        by_arch: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for r in scored:
+            by_arch[r["arch"]].append((r["acc"], r["num_test"]))
+        for arch, pairs in sorted(by_arch.items()):
+            a, w = np.array(pairs).T
+            out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
+        skip = {"client", "arch", "acc", "num_test", "num_train", "train_s", "bytes_up"}
+        extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
+        for key in sorted(extras):
+            vals = [(r[key], r["num_test"]) for r in scored if key in r]
+            v, w = np.array(vals).T
+            out[key] = float((v * w).sum() / w.sum())
+    train_keys = sorted({k for r in rows for k in r if k.startswith("train/")})
+    for key in train_keys:
+        vals = [(r[key], r["num_train"]) for r in rows if key in r]
+        v, w = np.array(vals).T
+        out[key] = float((v * w).sum() / w.sum())
+    out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
+    return out
+
+
+class Simulation:
+    """One federated simulation: data, executor and the round loop, driven by callbacks."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.callbacks = list(callbacks or [])
+        self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+        self.federation = prepare_federation(cfg)
+        family = family_from_config(cfg.model.family, cfg.model.architectures)
+        self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
+        check_algorithm_fits(self.algo, cfg, self.archs, self.federation)
+        self.per_round = clients_per_round(cfg)
+        self.spec = make_spec(cfg, self.archs, self.federation)
+        self.result = RunResult(cfg)
+        self.start_round = 1
+        self.executor: Executor | None = None
+
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        status = "FAILED"
+        self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+        comm = {"up": 0.0, "down": 0.0}
+        try:
+            for cb in self.callbacks:
+                cb.on_run_start(self)
+            comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
+            comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
+            for rnd in range(self.start_round, cfg.engine.rounds + 1):
+                row = self.run_round(rnd, comm)
+                self.result.history.append(row)
+                for cb in self.callbacks:
+                    cb.on_round_end(self, rnd, row)
+                if any(cb.should_stop for cb in self.callbacks):
+                    break
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self.result.status = status
+            for cb in self.callbacks:
+                try:
+                    cb.on_run_end(self, status)
+                except Exception:  # a failing callback must not hide the run's own error
+                    log.exception("callback %s failed at the end of the run", type(cb).__name__)
+            self.executor.close()
+        return self.result
+
+    def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float]:
+        assert self.executor is not None
+        cfg, ex = self.cfg, self.executor
+        start = time.perf_counter()
+        evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
+        clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
+        archs = sorted({self.archs[c] for c in clients})
+        sizes, payloads = ex.broadcast(archs)
+        client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
+        server_metrics = ex.server_step(rnd, replies, evaluate)
+        bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
+        comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
+        comm["down"] += bytes_down
+        row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
+        row.update(summarize_clients(client_rows))
+        row.update(server_metrics)
+        row["comm/bytes_down"] = bytes_down
+        row["comm/bytes_up_total"] = comm["up"]
+        row["comm/bytes_down_total"] = comm["down"]
+        row["time/round_s"] = time.perf_counter() - start
+        self.last_client_rows = client_rows
+        self.last_clients = clients
+        return row

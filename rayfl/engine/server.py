@@ -1,0 +1,138 @@
+"""The server half's runner: broadcast, reply validation, aggregation, server update, evaluation.
+
+`ServerRunner` is used in-process by the serial executor and wrapped by the `ServerActor` Ray
+actor (with its own CPU/GPU share) by the Ray executor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
+from rayfl.data.federated import Federation
+from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device
+from rayfl.engine.training import ArrayBatches, accuracy
+from rayfl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class RoundFailed(UserError):
+    """Too few valid replies for a round."""
+
+
+class EngineServerData:
+    """`rayfl.algorithms.base.ServerData`: the public split and the server test set."""
+
+    def __init__(self, federation: Federation, device: torch.device, batch_size: int, eval_batch_size: int):
+        self.device = device
+        self._federation = federation
+        self._sizes = {"public": batch_size, "test": eval_batch_size}
+        self._cache: dict[str, ArrayBatches] = {}
+        self.generator = torch.Generator()
+
+    def _data(self, split: str) -> ArrayBatches:
+        if split not in self._cache:
+            fed = self._federation
+            if split == "public":
+                self._cache[split] = ArrayBatches(fed.dataset, fed.public, self.device)
+            elif split == "test":
+                self._cache[split] = ArrayBatches(fed.dataset, None, self.device, test=True)
+            else:
+                raise ValueError(f"unknown server split {split!r}")
+        return self._cache[split]
+
+    def num_samples(self, split: str = "public") -> int:
+        if split == "public":
+            return len(self._federation.public)
+        return len(self._federation.dataset.y_test)
+
+    def batches(self, split: str = "public", batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
+        size = batch_size or self._sizes[split]
+        return self._data(split).iterate(size, self.generator if shuffle else None)
+
+
+def is_finite(payload: Any) -> bool:
+    for v in payload.values():
+        if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
+            return False
+        if isinstance(v, dict) and not is_finite(v):
+            return False
+    return True
+
+
+class ServerRunner:
+    def __init__(self, spec: RunSpec, federation: Federation, device: torch.device) -> None:
+        torch.set_num_threads(max(1, spec.num_threads))
+        self.spec = spec
+        self.device = device
+        torch.manual_seed(derive_seed(spec.seed, SERVER))
+        self.server = spec.algo.server(spec.server_context(device), spec.params)
+        self.data = EngineServerData(federation, device, spec.train.batch_size, spec.train.eval_batch_size)
+
+    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], list[Payload]]:
+        payloads = [self.server.broadcast(a) for a in archs]
+        return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
+
+    def step(self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool) -> dict[str, float]:
+        """Aggregate the round's replies (in client-id order), run the server update, evaluate."""
+        replies = sorted((r for batch in reply_lists for r in batch), key=lambda r: r.client_id)
+        valid = []
+        for r in replies:
+            if is_finite(r.payload) and r.num_samples > 0:
+                valid.append(r)
+            else:
+                log.warning("round %d: rejected a non-finite or empty reply from client %d", round_idx, r.client_id)
+        if len(valid) < self.spec.min_replies:
+            raise RoundFailed(
+                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "
+                "lower train.lr or engine.min_replies"
+            )
+        metrics: dict[str, float] = {
+            "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
+            "server/rejected": float(len(replies) - len(valid)),
+        }
+        metrics.update(self.server.aggregate(valid, round_idx))
+        torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))
+        self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
+        metrics.update(self.server.update(self.data, round_idx))
+        if evaluate:
+            for name, model in self.server.eval_models().items():
+                correct, total = accuracy(model, self.data.batches("test"))
+                metrics[f"{name}/acc"] = correct / total if total else float("nan")
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.server.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state)
+
+
+class ServerActor:
+    """Ray actor around a `ServerRunner`, reserving `engine.server_resources`."""
+
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+        self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
+
+    def broadcast(self, archs: list[str]) -> tuple[Any, ...]:
+        sizes, payloads = self.runner.broadcast(archs)
+        return (sizes, *payloads)
+
+    def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:
+        return self.runner.step(round_idx, reply_lists, evaluate)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.runner.load_state_dict(state)
+
+    def device(self) -> str:
+        return str(self.runner.device)

@@ -1,0 +1,84 @@
+"""What a worker or the server needs to build an algorithm's halves: a small picklable spec."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayfl.algorithms.base import Algorithm, ClientContext, ServerContext, TrainSettings
+from rayfl.errors import UserError
+from rayfl.registry import ALGORITHMS
+
+# Tags that keep the random streams of different purposes apart.
+INIT, TRAIN, SERVER, SAMPLE = 1, 2, 3, 4
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers, e.g. (seed, round, client id, purpose): independent of workers."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    algorithm: str
+    params: Any
+    train: TrainSettings
+    seed: int
+    archs: tuple[str, ...]  # architecture of each client
+    in_shape: tuple[int, ...]
+    num_classes: int
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int = 1
+    min_replies: int = 1
+
+    @property
+    def algo(self) -> Algorithm:
+        return ALGORITHMS.get(self.algorithm, key="algorithm.name")
+
+    def client_context(self, arch: str, device: torch.device) -> ClientContext:
+        return ClientContext(
+            arch=arch,
+            in_shape=self.in_shape,
+            num_classes=self.num_classes,
+            device=device,
+            train=self.train,
+            family_archs=tuple(sorted(set(self.archs))),
+        )
+
+    def server_context(self, device: torch.device) -> ServerContext:
+        counts = Counter(self.archs)
+        return ServerContext(
+            architectures=tuple(sorted(counts)),
+            arch_counts=dict(counts),
+            in_shape=self.in_shape,
+            num_classes=self.num_classes,
+            device=device,
+            train=self.train,
+            seed=self.seed,
+            num_clients=len(self.archs),
+        )
+
+
+def resolve_device(preference: str, gpu_ids: list | None = None) -> torch.device:
+    """The device for this process. Under Ray, `gpu_ids` are the GPUs Ray assigned to the actor.
+
+    Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for actors without a GPU share, so an actor that
+    was given no GPU must not pick one up just because CUDA is visible.
+    """
+    has_cuda = torch.cuda.is_available()
+    if preference == "cpu":
+        return torch.device("cpu")
+    if preference == "cuda":
+        if not has_cuda or gpu_ids == []:
+            raise UserError(
+                "engine.device=cuda but no CUDA GPU is available to this process; "
+                "use engine.device=auto (or cpu), or give workers a GPU share with engine.worker_resources.num_gpus"
+            )
+        return torch.device("cuda", 0)
+    if has_cuda and (gpu_ids is None or len(gpu_ids) > 0):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")

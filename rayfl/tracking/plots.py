@@ -1,0 +1,228 @@
+"""Static plots of a run or a comparison, written as image files (PNG, SVG or PDF by suffix).
+
+Figures are built with matplotlib's object API on the Agg canvas, never through ``pyplot``:
+no display is needed, nothing is shown, and no global figure registry grows inside long-lived
+Ray workers or Tune trials.
+
+Input shapes:
+    * ``history``: one mapping per evaluated round, ``{"round": 3, "personal/acc": 0.71, ...}``;
+      a key missing from a round (metrics evaluated every k rounds) leaves a gap, not a zero.
+    * ``curves``: ``{algorithm: [(round, value), ...]}``, e.g. a mean over seeds.
+    * ``rows``: one mapping per trial of a sweep, parameters and final metrics side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIXES = ("personal/acc", "proxy/acc", "global/acc")
+ARCH_PREFIX = "personal/acc/arch="
+
+
+def _finite(value: Any) -> float | None:
+    """Return ``value`` as a float if it is a finite real number, else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    out = float(value)
+    return out if math.isfinite(out) else None
+
+
+def series(history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
+    """Return ``[(round, value)]`` for ``key``, skipping rounds where it is missing or not finite.
+
+    Rounds without a ``"round"`` entry use their position in ``history``.
+    """
+    points = []
+    for i, row in enumerate(history):
+        y = _finite(row.get(key))
+        x = _finite(row.get("round", i))
+        if y is not None and x is not None:
+            points.append((x, y))
+    return points
+
+
+def default_keys(
+    history: Sequence[Mapping[str, Any]], prefixes: Sequence[str] = DEFAULT_PREFIXES
+) -> list[str]:
+    """Return the sorted keys of ``history`` that start with one of ``prefixes``."""
+    present = {k for row in history for k in row}
+    return sorted(k for k in present if k.startswith(tuple(prefixes)))
+
+
+def _new_figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: float = 4.0) -> Figure:
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def _no_data(ax: Axes, what: str) -> None:
+    logger.warning("plot: no data for %s; writing an empty figure", what)
+    ax.text(0.5, 0.5, f"no data: {what}", ha="center", va="center", transform=ax.transAxes)
+
+
+def _lines(ax: Axes, named: Mapping[str, Sequence[tuple[float, float]]]) -> int:
+    drawn = 0
+    for name, points in named.items():
+        if not points:
+            continue
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=name)
+        drawn += 1
+    if drawn:
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+    return drawn
+
+
+def plot_learning_curves(
+    history: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    keys: Sequence[str] | None = None,
+    title: str = "",
+) -> Path:
+    """Plot metrics against rounds, one line per key.
+
+    Args:
+        history: One mapping per round with ``"round"`` and metric values.
+        path: Output image file; its suffix picks the format.
+        keys: Metrics to draw; default: every key starting with ``personal/acc``,
+            ``proxy/acc`` or ``global/acc`` that occurs in ``history``.
+        title: Figure title.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    if keys is None:
+        keys = default_keys(history)
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    if not _lines(ax, {k: series(history, k) for k in keys}):
+        _no_data(ax, ", ".join(keys) or "accuracy metrics")
+    ax.set_xlabel("round")
+    ax.set_ylabel(keys[0] if len(keys) == 1 else "value")
+    if title:
+        ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Plot personalized accuracy per architecture group (``personal/acc/arch=<name>``).
+
+    Returns:
+        ``path`` as a Path.
+    """
+    keys = sorted({k for row in history for k in row if k.startswith(ARCH_PREFIX)})
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    if not _lines(ax, {k[len(ARCH_PREFIX) :]: series(history, k) for k in keys}):
+        _no_data(ax, f"{ARCH_PREFIX}*")
+    ax.set_xlabel("round")
+    ax.set_ylabel("personalized accuracy")
+    ax.set_title("accuracy per architecture")
+    return _save(fig, path)
+
+
+def plot_compare(
+    curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, ylabel: str
+) -> Path:
+    """Plot one curve per algorithm (e.g. mean accuracy over seeds against rounds).
+
+    Args:
+        curves: ``{algorithm: [(round, value), ...]}``.
+        path: Output image file.
+        ylabel: Label of the y axis (the metric).
+
+    Returns:
+        ``path`` as a Path.
+    """
+    named = {
+        name: [(float(x), y) for x, v in points if (y := _finite(v)) is not None]
+        for name, points in curves.items()
+    }
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    if not _lines(ax, named):
+        _no_data(ax, ylabel)
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    return _save(fig, path)
+
+
+def _is_numeric(values: Sequence[Any]) -> bool:
+    return all(_finite(v) is not None for v in values)
+
+
+def plot_metric_vs_params(
+    rows: Sequence[Mapping[str, Any]], metric: str, params: Sequence[str], path: str | Path
+) -> Path:
+    """Scatter ``metric`` against each swept parameter, one subplot per parameter.
+
+    Numeric parameters get a numeric axis (logarithmic when positive and spanning two or more
+    decades, as learning rates do); others get one column per distinct value, with the mean
+    marked. Rows without a finite ``metric`` or without the parameter are left out.
+
+    Args:
+        rows: One mapping per trial holding parameter values and ``metric``.
+        metric: The metric on the y axis.
+        params: The parameters, one subplot each.
+        path: Output image file.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    params = list(params) or ["(none)"]
+    fig = _new_figure(ncols=len(params), width=4.0)
+    axes = fig.subplots(1, len(params), squeeze=False)[0]
+    for ax, param in zip(axes, params):
+        pairs = [
+            (row[param], y)
+            for row in rows
+            if param in row and (y := _finite(row.get(metric))) is not None
+        ]
+        ax.set_xlabel(param)
+        ax.set_ylabel(metric)
+        if not pairs:
+            _no_data(ax, f"{metric} vs {param}")
+            continue
+        xs = [x for x, _ in pairs]
+        ys = [y for _, y in pairs]
+        if _is_numeric(xs):
+            fx = [float(x) for x in xs]
+            ax.scatter(fx, ys, s=18)
+            if min(fx) > 0 and max(fx) / min(fx) >= 100:
+                ax.set_xscale("log")
+        else:
+            labels = sorted({str(x) for x in xs})
+            pos = {label: i for i, label in enumerate(labels)}
+            ax.scatter([pos[str(x)] for x in xs], ys, s=18, alpha=0.7)
+            means = [
+                sum(y for x, y in pairs if str(x) == label)
+                / sum(1 for x, _ in pairs if str(x) == label)
+                for label in labels
+            ]
+            ax.scatter(range(len(labels)), means, marker="_", s=400, color="black", label="mean")
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+            ax.set_xlim(-0.5, len(labels) - 0.5)
+            ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)

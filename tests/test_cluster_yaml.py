@@ -1,0 +1,172 @@
+"""The shipped cluster.yaml validates offline; broken copies fail with the problem's JSON path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+
+from rayfl.clusterconfig import json_path, ray_schema_path, validate_cluster_config
+from rayfl.errors import ConfigError
+
+CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+HEAD, WORKER = "ray.head.cpu", "ray.worker.gpu"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, Any]:
+    return yaml.safe_load(CLUSTER_YAML.read_text())
+
+
+def test_shipped_cluster_yaml_validates_and_is_prepared_by_ray(shipped) -> None:
+    prepared = validate_cluster_config(CLUSTER_YAML)
+    assert prepared["head_node_type"] == HEAD
+    # Ray's prepare_config ran: it fills the head's max_workers and merges setup commands.
+    assert prepared["available_node_types"][HEAD]["max_workers"] == 0
+    assert prepared["head_setup_commands"][0] == shipped["setup_commands"][0]
+    assert prepared["cluster_synced_files"] == []
+
+
+def test_shipped_cluster_yaml_contents(shipped) -> None:
+    assert shipped["cluster_name"] == "rayfl"
+    assert shipped["provider"] == {**shipped["provider"], "type": "aws", "region": "us-west-2"}
+    head = shipped["available_node_types"][HEAD]
+    worker = shipped["available_node_types"][WORKER]
+    assert head["node_config"]["InstanceType"] == "m5.2xlarge"
+    assert head["resources"] == {"CPU": 8}
+    assert worker["node_config"]["InstanceType"] == "g5.xlarge"
+    assert (worker["min_workers"], worker["max_workers"]) == (0, 8)
+    assert worker["resources"] == {"CPU": 4, "GPU": 1}
+    assert all(type(v) is int for v in worker["resources"].values())
+    # The container's Ray must equal the Ray that launches and submits to it.
+    assert shipped["docker"]["image"].startswith(f"rayproject/ray:{ray.__version__}-")
+    assert shipped["file_mounts"] == {"~/rayfl": "."}
+    assert any("pip install" in c and "-e ~/rayfl" in c for c in shipped["setup_commands"])
+    head_start = " ".join(shipped["head_start_ray_commands"])
+    assert "ray start --head --port=6379" in head_start
+    assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
+    assert "--dashboard-host=0.0.0.0" in head_start
+    assert shipped["worker_start_ray_commands"][0] == "ray stop"
+    # Anchored, so the rayfl/data package is still synced while ./data (a cache) is not.
+    assert "/data/" in shipped["rsync_exclude"] and "data/" not in shipped["rsync_exclude"]
+    # The file explains how to use it.
+    text = CLUSTER_YAML.read_text()
+    for usage in ("ray up cluster.yaml", "ray submit", "ray job submit", "engine.address=auto"):
+        assert usage in text
+
+
+def _set(path: tuple[str, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(config: dict[str, Any]) -> None:
+        node = config
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: tuple[str, ...]) -> Callable[[dict[str, Any]], None]:
+    def mutate(config: dict[str, Any]) -> None:
+        node = config
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+
+    return mutate
+
+
+MUTATIONS = {
+    "typo_top_level_key": (
+        lambda c: c.update(idle_timout_minutes=c.pop("idle_timeout_minutes")),
+        ["$.idle_timout_minutes", "unknown key", "did you mean 'idle_timeout_minutes'"],
+    ),
+    "typo_in_node_type": (
+        _set(("available_node_types", WORKER, "max_worker"), 4),
+        [f'$.available_node_types["{WORKER}"].max_worker', "did you mean 'max_workers'"],
+    ),
+    "missing_provider_type": (
+        _delete(("provider", "type")),
+        ["$.provider.type", "required key is missing"],
+    ),
+    "unknown_provider_type": (
+        _set(("provider", "type"), "awz"),
+        ["$.provider.type", "'awz'", "did you mean 'aws'"],
+    ),
+    "fractional_gpu": (
+        _set(("available_node_types", WORKER, "resources", "GPU"), 0.5),
+        [f'$.available_node_types["{WORKER}"].resources.GPU', "integers", "0.5"],
+    ),
+    "float_that_looks_whole": (
+        _set(("available_node_types", HEAD, "resources", "CPU"), 8.0),
+        [f'$.available_node_types["{HEAD}"].resources.CPU', "integers", "8.0"],
+    ),
+    "head_type_missing": (
+        _set(("head_node_type",), "ray.head.gpu"),
+        ["$.head_node_type", "'ray.head.gpu'", "did you mean 'ray.head.cpu'"],
+    ),
+    "min_above_max": (
+        _set(("available_node_types", WORKER, "min_workers"), 9),
+        [f'$.available_node_types["{WORKER}"].min_workers', "min_workers=9", "max_workers=8"],
+    ),
+    "cluster_max_below_min_sum": (
+        lambda c: (_set(("available_node_types", WORKER, "min_workers"), 3)(c), c.update(max_workers=2)),
+        ["$.max_workers", "sum", "min_workers (3)"],
+    ),
+    "docker_without_container_name": (  # caught by Ray's own preparation, not the schema
+        _delete(("docker", "container_name")),
+        ["container & image name"],
+    ),
+    "wrong_type": (
+        _set(("setup_commands",), "pip install -e ~/rayfl"),
+        ["$.setup_commands", "is not of type 'array'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_broken_copies_fail_naming_the_problem(name, shipped, tmp_path) -> None:
+    mutate, expected = MUTATIONS[name]
+    config = copy.deepcopy(shipped)
+    mutate(config)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(ConfigError) as info:
+        validate_cluster_config(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_unreadable_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate_cluster_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster_name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        validate_cluster_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        validate_cluster_config(listing)
+
+
+def test_json_path_quotes_dotted_keys_and_indexes_lists() -> None:
+    assert json_path([]) == "$"
+    assert json_path(["provider", "type"]) == "$.provider.type"
+    assert json_path(["available_node_types", "ray.head.cpu", "resources"]) == (
+        '$.available_node_types["ray.head.cpu"].resources'
+    )
+    assert json_path(["setup_commands", 0]) == "$.setup_commands[0]"
+
+
+def test_schema_is_the_one_shipped_with_ray() -> None:
+    path = ray_schema_path()
+    assert path.is_file() and path.parent.name == "autoscaler"
+    assert Path(ray.__file__).parent in path.parents

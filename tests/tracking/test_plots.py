@@ -1,0 +1,93 @@
+"""Plots: files are written, non-empty and decodable; data selection is right."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+
+from rayfl.tracking import plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+HISTORY = [
+    {"round": 1, "personal/acc": 0.30, "personal/acc/arch=cnn1": 0.2, "comm/bytes_up": 10.0},
+    {"round": 2, "personal/acc": 0.45, "personal/acc/arch=cnn1": 0.4, "proxy/acc": 0.25},
+    {"round": 3, "personal/acc": math.nan, "personal/acc/arch=cnn2": 0.5, "proxy/acc": 0.35},
+    {"round": 4, "personal/acc": 0.60, "global/acc": 0.55},
+]
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 2000
+    image = mpimg.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert image.std() > 0  # something was drawn, not a blank canvas
+
+
+def test_series_skips_missing_and_nonfinite_points() -> None:
+    assert plots.series(HISTORY, "personal/acc") == [(1.0, 0.30), (2.0, 0.45), (4.0, 0.60)]
+    assert plots.series(HISTORY, "proxy/acc") == [(2.0, 0.25), (3.0, 0.35)]
+    # Without "round", the position in the history is the x value.
+    assert plots.series([{"a": 1.0}, {"a": True}, {"a": 2}], "a") == [(0.0, 1.0), (2.0, 2.0)]
+
+
+def test_default_keys_are_the_accuracy_families() -> None:
+    assert plots.default_keys(HISTORY) == [
+        "global/acc",
+        "personal/acc",
+        "personal/acc/arch=cnn1",
+        "personal/acc/arch=cnn2",
+        "proxy/acc",
+    ]
+
+
+def test_learning_curves_and_per_architecture_write_pngs(tmp_path) -> None:
+    out = plots.plot_learning_curves(HISTORY, tmp_path / "a" / "curves.png", title="fmnist")
+    assert out == tmp_path / "a" / "curves.png"
+    _assert_png(out)
+    _assert_png(plots.plot_learning_curves(HISTORY, tmp_path / "c.png", keys=["comm/bytes_up"]))
+    _assert_png(plots.plot_per_architecture(HISTORY, tmp_path / "arch.png"))
+
+
+def test_svg_and_pdf_by_suffix(tmp_path) -> None:
+    svg = plots.plot_learning_curves(HISTORY, tmp_path / "curves.svg")
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
+    pdf = plots.plot_per_architecture(HISTORY, tmp_path / "arch.pdf")
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+
+
+def test_empty_history_still_writes_a_figure(tmp_path, caplog) -> None:
+    _assert_png(plots.plot_learning_curves([], tmp_path / "empty.png"))
+    _assert_png(plots.plot_per_architecture([{"round": 1, "loss": 1.0}], tmp_path / "e2.png"))
+    assert sum("no data" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_plot_compare(tmp_path) -> None:
+    curves = {
+        "pfedes": [(1, 0.3), (2, 0.5), (3, 0.6)],
+        "fedavg": [(1, 0.2), (2, math.inf), (3, 0.4)],
+    }
+    _assert_png(plots.plot_compare(curves, tmp_path / "cmp.png", ylabel="personal/acc"))
+
+
+@pytest.mark.parametrize("params", [["lr", "algorithm", "local_epochs"], []])
+def test_metric_vs_params_numeric_log_and_categorical(tmp_path, params) -> None:
+    rows = [
+        {"lr": 1e-4, "algorithm": "fedavg", "local_epochs": 1, "personal/acc": 0.4},
+        {"lr": 1e-3, "algorithm": "pfedes", "local_epochs": 2, "personal/acc": 0.6},
+        {"lr": 1e-1, "algorithm": "pfedes", "local_epochs": 5, "personal/acc": 0.7},
+        {"lr": 1e-2, "algorithm": "fedfd", "personal/acc": None},  # no metric: left out
+    ]
+    _assert_png(plots.plot_metric_vs_params(rows, "personal/acc", params, tmp_path / "p.png"))
+
+
+def test_no_pyplot_state_is_created(tmp_path) -> None:
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    plots.plot_learning_curves(HISTORY, tmp_path / "x.png")
+    assert plt.get_fignums() == before
