@@ -206,7 +206,7 @@ def _ray_prepare(config: dict[str, Any]) -> dict[str, Any]:
     try:
         prepared: dict[str, Any] = prepare_config(copy.deepcopy(config))
         validate_config(prepared)
-    except Exception as exc:  # noqa: BLE001 - Ray raises ValueError, AssertionError, jsonschema errors...
+    except Exception as exc:  # Ray raises ValueError, AssertionError, jsonschema errors...
         path = [str(p) for p in getattr(exc, "absolute_path", [])]
         where = f"{json_path(path)}: " if path else ""
         message = getattr(exc, "message", None) or str(exc) or type(exc).__name__

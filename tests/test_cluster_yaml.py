@@ -114,7 +114,10 @@ MUTATIONS = {
         [f'$.available_node_types["{WORKER}"].min_workers', "min_workers=9", "max_workers=8"],
     ),
     "cluster_max_below_min_sum": (
-        lambda c: (_set(("available_node_types", WORKER, "min_workers"), 3)(c), c.update(max_workers=2)),
+        lambda c: (
+            _set(("available_node_types", WORKER, "min_workers"), 3)(c),
+            c.update(max_workers=2),
+        ),
         ["$.max_workers", "sum", "min_workers (3)"],
     ),
     "docker_without_container_name": (  # caught by Ray's own preparation, not the schema

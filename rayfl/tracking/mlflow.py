@@ -240,6 +240,7 @@ class MlflowTracker(TrackerBase):
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the flattened config as params (values cut to 6000 chars) and ``config.yaml``."""
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
 
         flat = flatten_config(config)
         params: dict[str, str] = {}
@@ -259,12 +260,23 @@ class MlflowTracker(TrackerBase):
                 self.client.log_batch(
                     self._run, params=items[i : i + PARAMS_PER_BATCH], synchronous=True
                 )
+        except MlflowException as exc:
+            if exc.error_code != "INVALID_PARAMETER_VALUE":
+                self._failed("log_config", exc)
+                return
+            # Params are write-once in MLflow: logging a changed value (e.g. a resumed run with
+            # an override) is refused. Not an outage; config.yaml below still records it.
+            logger.warning("MLflow refused some params of run %s: %s", self.run_id, exc)
+        except Exception as exc:
+            self._failed("log_config", exc)
+            return
+        try:
             with tempfile.TemporaryDirectory(prefix="rayfl-config-") as tmp:
                 path = Path(tmp) / "config.yaml"
                 path.write_text(yaml.safe_dump(plain(config), sort_keys=False))
                 self.client.log_artifact(self._run, str(path))
         except Exception as exc:
-            self._failed("log_config", exc)
+            self._failed("log_artifact(config.yaml)", exc)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step``; non-numeric values are skipped with a warning."""

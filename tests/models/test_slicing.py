@@ -23,9 +23,16 @@ def global_model() -> ResNet18:
     return model
 
 
+@pytest.fixture(scope="module")
+def sub_models() -> dict[float, ResNet18]:
+    return {width: ResNet18(3, 10, width) for width in RESNET18_WIDTHS}
+
+
 @pytest.mark.parametrize("width", RESNET18_WIDTHS)
-def test_slices_load_into_every_width_level(global_model: ResNet18, width: float) -> None:
-    sub = ResNet18(3, 10, width)
+def test_slices_load_into_every_width_level(
+    global_model: ResNet18, sub_models: dict[float, ResNet18], width: float
+) -> None:
+    sub = sub_models[width]
     sliced = slice_state(global_model.state_dict(), state_shapes(sub.state_dict()))
     sub.load_state_dict(sliced, strict=True)
     g = global_model.state_dict()
@@ -54,9 +61,11 @@ def test_static_bn_sub_model_takes_only_parameters(global_model: ResNet18) -> No
     assert not any("running" in k for k in sliced)
 
 
-def test_slice_then_aggregate_identical_sub_models_is_identity(global_model: ResNet18) -> None:
+def test_slice_then_aggregate_identical_sub_models_is_identity(
+    global_model: ResNet18, sub_models: dict[float, ResNet18]
+) -> None:
     g = global_model.state_dict()
-    subs = [slice_state(g, state_shapes(ResNet18(3, 10, w).state_dict())) for w in RESNET18_WIDTHS]
+    subs = [slice_state(g, state_shapes(sub_models[w].state_dict())) for w in RESNET18_WIDTHS]
     weights = [float(k) for k in (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)]
     out = aggregate_sliced(g, subs, weights)
     assert out.keys() == g.keys()

@@ -108,9 +108,12 @@ def test_stdout_tracker_logs_at_info_and_closes_once(caplog, tmp_path) -> None:
 
 
 def test_context_manager_status_on_interrupt(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="rayfl.tracking.stdout"):
-        with pytest.raises(KeyboardInterrupt), StdoutTracker(run_name="r2"):
-            raise KeyboardInterrupt
+    with (
+        caplog.at_level(logging.INFO, logger="rayfl.tracking.stdout"),
+        pytest.raises(KeyboardInterrupt),
+        StdoutTracker(run_name="r2"),
+    ):
+        raise KeyboardInterrupt
     assert "run r2 ended: KILLED" in [r.getMessage() for r in caplog.records]
 
 

@@ -121,7 +121,7 @@ def test_parent_and_child_runs_are_linked(store, client) -> None:
     found = client.search_runs(
         [parent.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'"
     )
-    assert sorted(r.info.run_id for r in found) == sorted(c.run_id for c in children)
+    assert sorted(r.info.run_id for r in found) == sorted(str(c.run_id) for c in children)
     assert sorted(r.data.tags["trial"] for r in found) == ["0", "1"]
     assert "mlflow.parentRunId" not in client.get_run(parent.run_id).data.tags
 
@@ -229,5 +229,19 @@ def test_unreachable_store_and_deleted_experiment_are_user_errors(store, client)
     exp_id = prepare_experiment("doomed", store[0])
     client.delete_experiment(exp_id)
     with pytest.raises(UserError, match="restore"):
-        _tracker_exp = MlflowTracker(experiment="doomed", tracking_uri=store[0])
-        del _tracker_exp
+        MlflowTracker(experiment="doomed", tracking_uri=store[0])
+
+
+def test_changed_param_is_refused_without_entering_outage_mode(store, client, caplog) -> None:
+    tracker = _tracker(store)
+    tracker.log_config({"engine": {"rounds": 5}})
+    with caplog.at_level(logging.WARNING, logger="rayfl.tracking.mlflow"):
+        tracker.log_config({"engine": {"rounds": 9}})  # MLflow params are write-once
+    tracker.log_metrics({"personal/acc": 0.5}, step=1)  # sent at once: no retry cool-down
+    assert tracker._pending == []
+    tracker.close()
+    assert client.get_run(tracker.run_id).data.params["engine.rounds"] == "5"
+    assert any("refused" in r.getMessage() for r in caplog.records)
+    # The latest full config is still attached.
+    local = client.download_artifacts(tracker.run_id, "config.yaml", str(store[1] / "dl2"))
+    assert yaml.safe_load(Path(local).read_text()) == {"engine": {"rounds": 9}}

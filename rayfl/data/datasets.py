@@ -1,0 +1,615 @@
+"""Datasets as plain numpy arrays: Fashion-MNIST, MNIST, CIFAR-10/100, Tiny ImageNet, synthetic, digits.
+
+Every loader returns an `ArrayDataset`: uint8 images (N, C, H, W) plus int64 labels, kept in
+their compact on-disk dtype. Normalisation happens per batch in `ArrayDataset.as_tensor`, so the
+whole dataset is never copied to float32 (a worker can read it zero-copy from Ray's object store).
+
+Loaders read the real on-disk formats themselves (IDX, CIFAR python pickles, the
+`tiny-imagenet-200` folder) and fall back to a torchvision download only when the files are
+missing. They are registered by name in `rayfl.registry.DATASETS` and called through
+`load_dataset(name, root, **options)`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.registry import DATASETS
+
+logger = logging.getLogger(__name__)
+
+# Debian's `dataset-fashion-mnist` package installs the IDX files here; module-level so tests can
+# point it elsewhere.
+DEBIAN_DIRS: dict[str, Path] = {
+    "fmnist": Path("/usr/share/datasets/fashion-mnist"),
+    "mnist": Path("/usr/share/datasets/mnist"),
+}
+
+TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
+
+# Bump when the layout of the Tiny ImageNet cache changes, so stale caches are rebuilt.
+_TINY_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayDataset:
+    """A dataset held as numpy arrays, normalised lazily per batch.
+
+    `eq=False`: arrays make field-wise equality and hashing meaningless; identity is used.
+
+    Attributes:
+        name: registry name of the dataset.
+        x_train: training inputs, (N, C, H, W) uint8 for images, float32 for synthetic data.
+        y_train: training labels, (N,) int64.
+        x_test: the server test set (the dataset's official test split).
+        y_test: its labels.
+        num_classes: number of classes.
+        mean: per-channel mean, applied after dividing by `scale`.
+        std: per-channel standard deviation.
+        scale: 255.0 for uint8 images, 1.0 for float data.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale: float
+
+    def __post_init__(self) -> None:
+        # Cheap consistency checks that catch a broken loader at load time, not mid-training.
+        if self.x_train.ndim < 2 or self.x_test.shape[1:] != self.x_train.shape[1:]:
+            raise ValueError(
+                f"{self.name}: x_train {self.x_train.shape} and x_test {self.x_test.shape} "
+                "must share a per-sample shape"
+            )
+        if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
+            raise ValueError(f"{self.name}: inputs and labels differ in length")
+        channels = self.x_train.shape[1]
+        if len(self.mean) != channels or len(self.std) != channels:
+            raise ValueError(f"{self.name}: mean/std need {channels} entries (one per channel)")
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        """Shape of one input, without the batch dimension."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def as_tensor(self, x: np.ndarray) -> torch.Tensor:
+        """Return `x` as a normalised float32 tensor: `(x / scale - mean) / std` per channel.
+
+        Works on one sample (shape `in_shape`) or a batch (shape `(B, *in_shape)`). `x` is never
+        modified; it may be a read-only, zero-copy view from Ray's object store.
+
+        Args:
+            x: raw inputs as stored in the dataset.
+
+        Returns:
+            A new float32 tensor of the same shape.
+        """
+        x = np.asarray(x)
+        if x.shape[-len(self.in_shape) :] != self.in_shape or x.ndim > len(self.in_shape) + 1:
+            raise ValueError(
+                f"{self.name}: expected a sample {self.in_shape} or a batch of them, got {x.shape}"
+            )
+        # astype always copies, so the in-place ops below never touch the caller's array.
+        out = torch.from_numpy(x.astype(np.float32))
+        mean = np.asarray(self.mean, dtype=np.float64)
+        std = np.asarray(self.std, dtype=np.float64)
+        if self.scale == 1.0 and not mean.any() and (std == 1.0).all():
+            return out
+        # One fused affine map (x * a - b) per channel instead of three passes over the batch.
+        view = (-1,) + (1,) * (len(self.in_shape) - 1)
+        a = torch.from_numpy((1.0 / (self.scale * std)).astype(np.float32)).view(view)
+        b = torch.from_numpy((mean / std).astype(np.float32)).view(view)
+        return out.mul_(a).sub_(b)
+
+
+def default_root() -> Path:
+    """The default data directory: `$RAYFL_DATA`, else `~/.cache/rayfl/data`."""
+    env = os.environ.get("RAYFL_DATA")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rayfl" / "data"
+
+
+def load_dataset(
+    name: str, root: str | os.PathLike[str] | None = None, **options: Any
+) -> ArrayDataset:
+    """Load the registered dataset `name`.
+
+    Args:
+        name: registry name (`fmnist`, `mnist`, `cifar10`, `cifar100`, `tinyimagenet`,
+            `synthetic`, `digits`, or any other registered loader).
+        root: data directory; None means `default_root()`.
+        **options: loader-specific options (e.g. `num_samples` for `synthetic`).
+
+    Returns:
+        The dataset as numpy arrays.
+
+    Raises:
+        ConfigError: unknown name or option.
+        UserError: the data cannot be found or downloaded.
+    """
+    loader = DATASETS.get(name, key="data.dataset")
+    return loader(root=None if root is None else str(root), **options)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _root(root: str | None) -> Path:
+    return Path(root).expanduser() if root is not None else default_root()
+
+
+def _check_options(dataset: str, options: dict[str, Any], allowed: Sequence[str] = ()) -> None:
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        choices = ", ".join(allowed) if allowed else "none"
+        raise ConfigError(
+            f"data.options: dataset {dataset!r} has no option {unknown[0]!r}"
+            f"{suggest(unknown[0], allowed)}; "
+            f"its options are: {choices}"
+        )
+
+
+def _u8_images(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.uint8)
+
+
+def read_idx(path: str | os.PathLike[str], expected_magic: int | None = None) -> np.ndarray:
+    """Read an IDX file (the MNIST format), gzipped or not.
+
+    The header is big-endian: two zero bytes, a type code (0x08 = uint8), the number of
+    dimensions, then one uint32 per dimension. Images have magic 2051, labels 2049.
+
+    Args:
+        path: the file; names ending in `.gz` are decompressed.
+        expected_magic: if given, the magic number the file must carry.
+
+    Returns:
+        A writable uint8 array of the shape in the header.
+    """
+    path = Path(path)
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        payload = f.read()
+    if len(payload) < 4:
+        raise UserError(f"{path} is not an IDX file (too short); re-download it")
+    magic = int.from_bytes(payload[:4], "big")
+    type_code, ndim = payload[2], payload[3]
+    if (
+        payload[:2] != b"\x00\x00"
+        or type_code != 0x08
+        or (expected_magic and magic != expected_magic)
+    ):
+        raise UserError(
+            f"{path} has IDX magic {magic}, expected {expected_magic or 'a uint8 IDX file'}; "
+            "the file is corrupt or not an IDX file, re-download it"
+        )
+    header = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(payload[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    if len(payload) - header != int(np.prod(shape)):
+        raise UserError(f"{path} is truncated ({len(payload) - header} bytes for shape {shape})")
+    return np.frombuffer(payload, dtype=np.uint8, offset=header).reshape(shape).copy()
+
+
+_IDX_FILES = {
+    "x_train": ("train-images-idx3-ubyte", 2051),
+    "y_train": ("train-labels-idx1-ubyte", 2049),
+    "x_test": ("t10k-images-idx3-ubyte", 2051),
+    "y_test": ("t10k-labels-idx1-ubyte", 2049),
+}
+
+
+def _idx_dir_files(directory: Path) -> dict[str, Path] | None:
+    """The four IDX files in `directory` (each gz or plain), or None if any is missing."""
+    found = {}
+    for key, (stem, _) in _IDX_FILES.items():
+        for candidate in (directory / stem, directory / f"{stem}.gz"):
+            if candidate.is_file():
+                found[key] = candidate
+                break
+        else:
+            return None
+    return found
+
+
+def _download(torchvision_class: str, root: Path) -> None:
+    """Download a dataset with torchvision into `root` (its own layout under root)."""
+    import torchvision  # lazy: only needed when the files are missing
+
+    root.mkdir(parents=True, exist_ok=True)
+    getattr(torchvision.datasets, torchvision_class)(str(root), train=True, download=True)
+
+
+def _load_idx_dataset(
+    name: str,
+    root: str | None,
+    *,
+    folders: Sequence[str],
+    torchvision_class: str,
+    apt_package: str,
+    mean: float,
+    std: float,
+) -> ArrayDataset:
+    base = _root(root)
+    candidates = [DEBIAN_DIRS[name], base, *(base / f for f in folders)]
+    files = next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+    if files is None:
+        logger.info("%s: IDX files not found in %s; downloading with torchvision", name, base)
+        try:
+            _download(torchvision_class, base)
+        except Exception as exc:  # any failure (offline, DNS, checksum) has the same fix
+            raise UserError(
+                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); "
+                f"run `apt-get install {apt_package}` or put the four IDX files "
+                f"(train/t10k-images-idx3-ubyte[.gz], train/t10k-labels-idx1-ubyte[.gz]) under {base}"
+            ) from exc
+        files = next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+        if files is None:
+            raise UserError(
+                f"{name}: torchvision downloaded no IDX files under {base}; put them there"
+            )
+    logger.info("%s: loading IDX files from %s", name, files["x_train"].parent)
+    arrays = {key: read_idx(path, _IDX_FILES[key][1]) for key, path in files.items()}
+    return ArrayDataset(
+        name=name,
+        x_train=arrays["x_train"][:, None],  # (N, 28, 28) -> (N, 1, 28, 28), a view
+        y_train=arrays["y_train"].astype(np.int64),
+        x_test=arrays["x_test"][:, None],
+        y_test=arrays["y_test"].astype(np.int64),
+        num_classes=10,
+        mean=(mean,),
+        std=(std,),
+        scale=255.0,
+    )
+
+
+# --------------------------------------------------------------------------- image datasets
+
+
+@DATASETS.register("fmnist")
+def load_fmnist(root: str | None = None, **options: Any) -> ArrayDataset:
+    """Fashion-MNIST (Xiao et al. 2017): 60k/10k 28x28 grey images of 10 clothing classes.
+
+    Looks for the IDX files in Debian's `/usr/share/datasets/fashion-mnist`, then in `root`
+    (or `root/FashionMNIST/raw`, torchvision's layout), then downloads them with torchvision.
+    """
+    _check_options("fmnist", options)
+    return _load_idx_dataset(
+        "fmnist",
+        root,
+        folders=("FashionMNIST/raw", "fashion-mnist"),
+        torchvision_class="FashionMNIST",
+        apt_package="dataset-fashion-mnist",
+        mean=0.2860,
+        std=0.3530,
+    )
+
+
+@DATASETS.register("mnist")
+def load_mnist(root: str | None = None, **options: Any) -> ArrayDataset:
+    """MNIST: 60k/10k 28x28 grey handwritten digits.
+
+    Looks in `/usr/share/datasets/mnist`, then `root` (or `root/MNIST/raw`), then downloads
+    with torchvision.
+    """
+    _check_options("mnist", options)
+    return _load_idx_dataset(
+        "mnist",
+        root,
+        folders=("MNIST/raw", "mnist"),
+        torchvision_class="MNIST",
+        apt_package="dataset-mnist",
+        mean=0.1307,
+        std=0.3081,
+    )
+
+
+def _unpickle(path: Path) -> dict[Any, Any]:
+    with open(path, "rb") as f:
+        # The official batches were pickled by Python 2; "bytes" keeps their keys as b"data".
+        return pickle.load(f, encoding="bytes")
+
+
+def _field(batch: dict[Any, Any], key: str) -> Any:
+    if key.encode() in batch:
+        return batch[key.encode()]
+    if key in batch:
+        return batch[key]
+    raise UserError(f"CIFAR batch has no {key!r} entry; the file is corrupt, re-download it")
+
+
+def _read_cifar_batches(paths: Sequence[Path], label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = [], []
+    for path in paths:
+        batch = _unpickle(path)
+        # Rows are 3072 bytes: the red plane, then green, then blue, each 32x32 row-major.
+        xs.append(np.asarray(_field(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32))
+        ys.append(np.asarray(_field(batch, label_key), dtype=np.int64))
+    x = xs[0] if len(xs) == 1 else np.concatenate(xs)
+    return _u8_images(x), np.concatenate(ys)
+
+
+_CIFAR = {
+    # name: folder, train files, test files, label key, torchvision class, classes, mean, std
+    "cifar10": (
+        "cifar-10-batches-py",
+        tuple(f"data_batch_{i}" for i in range(1, 6)),
+        ("test_batch",),
+        "labels",
+        "CIFAR10",
+        10,
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": (
+        "cifar-100-python",
+        ("train",),
+        ("test",),
+        "fine_labels",
+        "CIFAR100",
+        100,
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    ),
+}
+
+
+def _load_cifar(name: str, root: str | None) -> ArrayDataset:
+    folder, train_files, test_files, label_key, tv_class, classes, mean, std = _CIFAR[name]
+    base = _root(root)
+
+    def find() -> Path | None:
+        for d in (base / folder, base):
+            if all((d / f).is_file() for f in (*train_files, *test_files)):
+                return d
+        return None
+
+    directory = find()
+    if directory is None:
+        logger.info("%s: %s not found under %s; downloading with torchvision", name, folder, base)
+        try:
+            _download(tv_class, base)
+        except Exception as exc:  # offline, DNS, checksum: the fix is the same
+            raise UserError(
+                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); "
+                f"put the extracted python version ({folder}/ with {', '.join(train_files + test_files)}) "
+                f"under {base}"
+            ) from exc
+        directory = find()
+        if directory is None:
+            raise UserError(
+                f"{name}: torchvision downloaded no {folder}/ under {base}; put it there"
+            )
+    logger.info("%s: loading %s", name, directory)
+    x_train, y_train = _read_cifar_batches([directory / f for f in train_files], label_key)
+    x_test, y_test = _read_cifar_batches([directory / f for f in test_files], label_key)
+    return ArrayDataset(name, x_train, y_train, x_test, y_test, classes, mean, std, 255.0)
+
+
+@DATASETS.register("cifar10")
+def load_cifar10(root: str | None = None, **options: Any) -> ArrayDataset:
+    """CIFAR-10: 50k/10k 32x32 RGB images of 10 classes, from `root/cifar-10-batches-py`."""
+    _check_options("cifar10", options)
+    return _load_cifar("cifar10", root)
+
+
+@DATASETS.register("cifar100")
+def load_cifar100(root: str | None = None, **options: Any) -> ArrayDataset:
+    """CIFAR-100 (fine labels): 50k/10k 32x32 RGB images of 100 classes, from `root/cifar-100-python`."""
+    _check_options("cifar100", options)
+    return _load_cifar("cifar100", root)
+
+
+def _read_jpeg(path: Path, size: int) -> np.ndarray:
+    from PIL import Image  # lazy: Pillow comes with torchvision
+
+    with Image.open(path) as img:
+        # About 2% of Tiny ImageNet is greyscale; every image becomes 3-channel RGB.
+        rgb = img.convert("RGB")
+        if rgb.size != (size, size):
+            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+        return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def _decode_tinyimagenet(folder: Path, size: int = 64) -> dict[str, np.ndarray]:
+    wnids = sorted(
+        line.strip() for line in (folder / "wnids.txt").read_text().splitlines() if line.strip()
+    )
+    label_of = {wnid: i for i, wnid in enumerate(wnids)}
+    train: list[tuple[Path, int]] = []
+    for wnid in wnids:
+        images = sorted((folder / "train" / wnid / "images").glob("*.JPEG"))
+        if not images:
+            raise UserError(
+                f"tinyimagenet: no images in {folder / 'train' / wnid / 'images'}; re-extract it"
+            )
+        train.extend((p, label_of[wnid]) for p in images)
+    val: list[tuple[Path, int]] = []
+    for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 2:
+            val.append((folder / "val" / "images" / parts[0], label_of[parts[1]]))
+
+    def decode(items: list[tuple[Path, int]]) -> tuple[np.ndarray, np.ndarray]:
+        # Decode straight into the final uint8 array: no per-image list, no float copies.
+        x = np.empty((len(items), 3, size, size), dtype=np.uint8)
+        for i, (path, _) in enumerate(items):
+            x[i] = _read_jpeg(path, size)
+        return x, np.array([label for _, label in items], dtype=np.int64)
+
+    logger.info(
+        "tinyimagenet: decoding %d train and %d val JPEGs (cached afterwards)", len(train), len(val)
+    )
+    x_train, y_train = decode(train)
+    x_test, y_test = decode(val)
+    return {
+        "x_train": x_train,
+        "y_train": y_train,
+        "x_test": x_test,
+        "y_test": y_test,
+        "wnids": np.array(wnids),
+        "version": np.array(_TINY_CACHE_VERSION),
+    }
+
+
+@DATASETS.register("tinyimagenet")
+def load_tinyimagenet(root: str | None = None, **options: Any) -> ArrayDataset:
+    """Tiny ImageNet: 100k train / 10k val 64x64 RGB images of 200 classes.
+
+    Reads the standard `tiny-imagenet-200` folder under `root` (the labelled `val` split is the
+    test set; `test` has no labels). Classes are numbered in sorted wnid order. The decoded
+    arrays are cached as `root/tiny-imagenet-200.npz`, so only the first load decodes JPEGs.
+    """
+    _check_options("tinyimagenet", options)
+    base = _root(root)
+    folder = base if base.name == "tiny-imagenet-200" else base / "tiny-imagenet-200"
+    cache = folder.with_suffix(".npz")
+    arrays: dict[str, np.ndarray] | None = None
+    if cache.is_file():
+        with np.load(cache) as npz:
+            if int(npz["version"]) == _TINY_CACHE_VERSION:
+                arrays = {k: npz[k] for k in npz.files}
+                logger.info("tinyimagenet: loaded cache %s", cache)
+    if arrays is None:
+        if not (folder / "wnids.txt").is_file():
+            raise UserError(
+                f"tinyimagenet: {folder} not found; download {TINYIMAGENET_URL} and unzip it "
+                f"into {folder.parent} (set data.root or $RAYFL_DATA to use another directory)"
+            )
+        arrays = _decode_tinyimagenet(folder)
+        try:
+            # Write to a temporary name and rename, so a concurrent reader never sees half a file.
+            tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
+            named: dict[str, Any] = dict(arrays)  # savez's stubs mistype **kwds
+            np.savez(tmp, **named)
+            os.replace(tmp, cache)
+        except OSError as exc:
+            logger.warning(
+                "tinyimagenet: could not write cache %s (%s); decoding again next time", cache, exc
+            )
+    return ArrayDataset(
+        name="tinyimagenet",
+        x_train=arrays["x_train"],
+        y_train=arrays["y_train"].astype(np.int64),
+        x_test=arrays["x_test"],
+        y_test=arrays["y_test"].astype(np.int64),
+        num_classes=len(arrays["wnids"]),
+        mean=(0.4802, 0.4481, 0.3975),
+        std=(0.2770, 0.2691, 0.2821),
+        scale=255.0,
+    )
+
+
+# --------------------------------------------------------------------------- small test data
+
+
+@DATASETS.register("synthetic")
+def load_synthetic(
+    root: str | None = None,
+    *,
+    num_samples: int = 2000,
+    num_test: int = 500,
+    num_classes: int = 10,
+    shape: Sequence[int] = (1, 8, 8),
+    seed: int = 0,
+    **options: Any,
+) -> ArrayDataset:
+    """Seeded Gaussian blobs: fast, learnable data for tests and smoke runs.
+
+    Each class has its own mean vector (drawn once from `N(0, 1)`); samples are that mean plus
+    unit Gaussian noise, so a linear model separates the classes well. Float32, already
+    normalised (scale 1, mean 0, std 1). `root` is ignored.
+
+    Args:
+        root: unused.
+        num_samples: training samples.
+        num_test: server test samples.
+        num_classes: number of classes.
+        shape: shape of one sample, channels first.
+        seed: seed for means, labels and noise.
+    """
+    _check_options(
+        "synthetic", options, ("num_samples", "num_test", "num_classes", "shape", "seed")
+    )
+    shape = tuple(int(d) for d in shape)
+    if num_samples < 1 or num_test < 1:
+        raise ConfigError("data.options: synthetic num_samples and num_test must be >= 1")
+    if num_classes < 2:
+        raise ConfigError("data.options.num_classes: synthetic needs at least 2 classes")
+    if not shape or min(shape) < 1:
+        raise ConfigError(
+            f"data.options.shape: {shape} must be a non-empty tuple of positive sizes"
+        )
+    rng = np.random.default_rng(seed)
+    means = rng.normal(size=(num_classes, *shape)).astype(np.float32)
+
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
+        y = rng.integers(0, num_classes, size=n).astype(np.int64)
+        x = rng.normal(size=(n, *shape)).astype(np.float32)
+        x += means[y]
+        return x, y
+
+    x_train, y_train = draw(num_samples)
+    x_test, y_test = draw(num_test)
+    channels = shape[0]
+    return ArrayDataset(
+        "synthetic",
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        num_classes,
+        (0.0,) * channels,
+        (1.0,) * channels,
+        1.0,
+    )
+
+
+@DATASETS.register("digits")
+def load_digits(
+    root: str | None = None, *, test_fraction: float = 0.2, seed: int = 0, **options: Any
+) -> ArrayDataset:
+    """scikit-learn's bundled 8x8 digits (1,797 images, values 0..16): tiny real data for tests.
+
+    There is no official test split, so a seeded `test_fraction` of the images becomes the test
+    set. `root` is ignored.
+    """
+    _check_options("digits", options, ("test_fraction", "seed"))
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"data.options.test_fraction: {test_fraction} must be in (0, 1)")
+    from sklearn.datasets import load_digits as sk_load_digits  # lazy: sklearn is heavy
+
+    bunch = sk_load_digits()
+    x = bunch.images.astype(np.float32)[:, None]  # (1797, 1, 8, 8), values 0..16
+    y = bunch.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_test = round(test_fraction * len(y))
+    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+    x_train = x[train]
+    # Statistics of the training split itself (about 0.30 / 0.38 after scaling by 16).
+    scaled = x_train / 16.0
+    return ArrayDataset(
+        "digits",
+        x_train,
+        y[train],
+        x[test],
+        y[test],
+        10,
+        (float(scaled.mean()),),
+        (float(scaled.std()),),
+        16.0,
+    )

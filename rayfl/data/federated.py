@@ -1,0 +1,353 @@
+"""A federation: which training samples each client holds, its local test split, the public split.
+
+`build_federation` turns a dataset and a partitioner name into index arrays (never copies of
+the data), deterministically in the seed. `save_partition` writes them as Parquet so a run's
+split can be inspected and reproduced; `plot_label_distribution` draws the label skew.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayfl.data.datasets import ArrayDataset
+from rayfl.errors import ConfigError, suggest
+from rayfl.registry import PARTITIONERS
+
+logger = logging.getLogger(__name__)
+
+PARTITION_FILE = "partition.parquet"
+CLASS_COUNTS_FILE = "class_counts.parquet"
+# Rows of the public split carry this client id in partition.parquet / class_counts.parquet.
+PUBLIC_CLIENT = -1
+
+# Independent random streams per stage, so e.g. changing test_fraction leaves the partition alone.
+_SUBSET_STREAM, _PUBLIC_STREAM, _SPLIT_STREAM = 1, 2, 3
+
+
+@dataclass(frozen=True, eq=False)
+class ClientSplit:
+    """One client's data, as sorted int64 indices into `dataset.x_train`.
+
+    Attributes:
+        train: the client's training samples.
+        test: the client's local test split, with the same label distribution as `train`.
+    """
+
+    train: np.ndarray
+    test: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        """Number of training samples (the usual aggregation weight)."""
+        return len(self.train)
+
+
+@dataclass(frozen=True, eq=False)
+class Federation:
+    """A dataset split over clients, plus a public split held out from all of them.
+
+    Attributes:
+        dataset: the underlying arrays.
+        clients: one `ClientSplit` per client, in client-id order.
+        public: indices into `dataset.x_train` that no client holds (for distillation / FedMD).
+    """
+
+    dataset: ArrayDataset
+    clients: tuple[ClientSplit, ...]
+    public: np.ndarray
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients."""
+        return len(self.clients)
+
+    def class_counts(self, split: str = "train") -> np.ndarray:
+        """Per-client label histogram.
+
+        Args:
+            split: "train" or "test".
+
+        Returns:
+            (num_clients, num_classes) int64 counts.
+        """
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        labels = self.dataset.y_train
+        c = self.dataset.num_classes
+        rows = [np.bincount(labels[getattr(s, split)], minlength=c) for s in self.clients]
+        return np.stack(rows).astype(np.int64) if rows else np.zeros((0, c), dtype=np.int64)
+
+
+def _rng(seed: int, stream: int, *extra: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), stream, *extra])
+
+
+def _check_partition_options(name: str, fn: Any, options: dict[str, Any]) -> None:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for key in options:
+        if key not in accepted:
+            raise ConfigError(
+                f"data.partition.{key}: partitioner {name!r} has no option {key!r}"
+                f"{suggest(key, accepted)}; its options are: {', '.join(accepted) or 'none'}"
+            )
+
+
+def _stratified_test_count(counts: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Per-class test counts summing to round(test_fraction * total), by largest remainder."""
+    total = int(counts.sum())
+    # At least one training sample must remain, so the client can train at all.
+    n_test = min(round(test_fraction * total), total - 1)
+    quota = counts * test_fraction
+    base = np.minimum(np.floor(quota).astype(np.int64), counts)
+    short = n_test - int(base.sum())
+    if short > 0:
+        # Largest fractional parts first; ties to the lower class id (stable sort) for determinism.
+        frac = np.where(base < counts, quota - base, -1.0)
+        base[np.argsort(-frac, kind="stable")[:short]] += 1
+    elif short < 0:
+        # Only when rounding down to keep a training sample: take from the largest test counts.
+        for cls in np.argsort(-base, kind="stable")[:-short]:
+            base[cls] -= 1
+    return base
+
+
+def _split_client(
+    indices: np.ndarray, labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> ClientSplit:
+    client_labels = labels[indices]
+    classes, inverse, counts = np.unique(client_labels, return_inverse=True, return_counts=True)
+    n_test = _stratified_test_count(counts, test_fraction)
+    train, test = [], []
+    for i in range(len(classes)):
+        members = rng.permutation(indices[inverse == i])
+        test.append(members[: n_test[i]])
+        train.append(members[n_test[i] :])
+    empty = np.empty(0, dtype=np.int64)
+    return ClientSplit(
+        train=np.sort(np.concatenate(train or [empty])).astype(np.int64),
+        test=np.sort(np.concatenate(test or [empty])).astype(np.int64),
+    )
+
+
+def build_federation(
+    dataset: ArrayDataset,
+    *,
+    num_clients: int,
+    partitioner: str,
+    partition_options: dict[str, Any],
+    seed: int,
+    test_fraction: float = 0.2,
+    public_fraction: float = 0.0,
+    train_samples: int | None = None,
+) -> Federation:
+    """Split `dataset.x_train` over clients, deterministically in `seed`.
+
+    Steps: (1) if `train_samples` is set, keep a seeded random subset of that many training
+    samples; (2) hold out a seeded `public_fraction` of those as the public split; (3) partition
+    the rest with the named partitioner; (4) split each client's samples into train and test,
+    stratified by class, with `test_fraction` in test (every client keeps >= 1 train sample).
+
+    Args:
+        dataset: the dataset to split.
+        num_clients: number of clients.
+        partitioner: registered partitioner name (`iid`, `dirichlet`, `pathological`, `quantity`).
+        partition_options: its keyword options, e.g. `{"alpha": 0.1}`.
+        seed: the seed of every random choice.
+        test_fraction: share of each client's samples used as its local test split, in [0, 1).
+        public_fraction: share of the (subset) training samples held out as public, in [0, 1).
+        train_samples: size of the training subset; None uses every training sample.
+
+    Returns:
+        The federation (index arrays only; the data stays in `dataset`).
+
+    Raises:
+        ConfigError: an invalid fraction, subset size, partitioner name or option.
+        UserError: the partitioner cannot satisfy its options on this data.
+    """
+    n = len(dataset.y_train)
+    if not 0.0 <= test_fraction < 1.0:
+        raise ConfigError(f"data.test_fraction: {test_fraction} must be in [0, 1)")
+    if not 0.0 <= public_fraction < 1.0:
+        raise ConfigError(f"data.public_fraction: {public_fraction} must be in [0, 1)")
+    fn = PARTITIONERS.get(partitioner, key="data.partition.name")
+    options = dict(partition_options or {})
+    _check_partition_options(partitioner, fn, options)
+
+    # (1) the training subset
+    if train_samples is None:
+        pool = np.arange(n, dtype=np.int64)
+    else:
+        if int(train_samples) != train_samples or not 1 <= train_samples <= n:
+            raise ConfigError(
+                f"data.train_samples: {train_samples} must be an integer between 1 and the "
+                f"{n} training samples of {dataset.name}"
+            )
+        pool = np.sort(_rng(seed, _SUBSET_STREAM).choice(n, int(train_samples), replace=False))
+
+    # (2) the public split
+    order = _rng(seed, _PUBLIC_STREAM).permutation(pool)
+    n_public = round(public_fraction * len(pool))
+    public = np.sort(order[:n_public]).astype(np.int64)
+    private = np.sort(order[n_public:]).astype(np.int64)
+
+    # (3) the partition, over positions in `private`, mapped back to dataset indices
+    parts = fn(dataset.y_train[private], num_clients, seed, **options)
+
+    # (4) per-client stratified train/test split; each client has its own stream so one client's
+    # split does not depend on the others'.
+    clients = tuple(
+        _split_client(private[part], dataset.y_train, test_fraction, _rng(seed, _SPLIT_STREAM, cid))
+        for cid, part in enumerate(parts)
+    )
+    fed = Federation(dataset=dataset, clients=clients, public=public)
+    sizes = [c.num_samples for c in clients]
+    logger.info(
+        "%s: %d clients (%s), train sizes %d..%d, %d public",
+        dataset.name,
+        len(clients),
+        partitioner,
+        min(sizes),
+        max(sizes),
+        len(public),
+    )
+    return fed
+
+
+def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
+    """Write the split as Parquet into `run_dir`.
+
+    Files:
+        `partition.parquet`: columns `client` (int32, -1 for public), `split`
+        ('train' | 'test' | 'public'), `index` (int64 into `x_train`).
+        `class_counts.parquet`: columns `client`, `split`, `class` (int32), `count` (int64),
+        one row per client, split and class (zeros included).
+
+    Args:
+        fed: the federation.
+        run_dir: directory to write into (created if missing).
+
+    Returns:
+        The two paths written.
+    """
+    import pyarrow as pa  # lazy: only runs that save need it
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    groups = [
+        (cid, name, getattr(s, name))
+        for cid, s in enumerate(fed.clients)
+        for name in ("train", "test")
+    ]
+    groups.append((PUBLIC_CLIENT, "public", fed.public))
+
+    def column(values: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(values).astype(dtype) if values else np.empty(0, dtype=dtype)
+
+    partition = pa.table(
+        {
+            "client": column([np.full(len(idx), cid) for cid, _, idx in groups], np.int32),
+            "split": pa.array(
+                [name for _, name, idx in groups for _ in range(len(idx))], pa.string()
+            ),
+            "index": column([idx for _, _, idx in groups], np.int64),
+        }
+    )
+    c = fed.dataset.num_classes
+    labels = fed.dataset.y_train
+    counts = pa.table(
+        {
+            "client": np.repeat([cid for cid, _, _ in groups], c).astype(np.int32),
+            "split": pa.array([name for _, name, _ in groups for _ in range(c)], pa.string()),
+            "class": np.tile(np.arange(c), len(groups)).astype(np.int32),
+            "count": column(
+                [np.bincount(labels[idx], minlength=c) for _, _, idx in groups], np.int64
+            ),
+        }
+    )
+    paths = [run_dir / PARTITION_FILE, run_dir / CLASS_COUNTS_FILE]
+    pq.write_table(partition, paths[0])
+    pq.write_table(counts, paths[1])
+    return paths
+
+
+def load_partition(path: str | Path) -> dict[str, Any]:
+    """Read a `partition.parquet` written by `save_partition`.
+
+    Args:
+        path: the file, or the run directory holding it.
+
+    Returns:
+        `{"clients": {client_id: ClientSplit}, "public": np.ndarray}`, arrays sorted int64.
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / PARTITION_FILE
+    table = pq.read_table(path)
+    client = table.column("client").to_numpy()
+    split = np.asarray(table.column("split").to_pylist(), dtype=object)
+    index = table.column("index").to_numpy().astype(np.int64)
+
+    def pick(cid: int, name: str) -> np.ndarray:
+        return np.sort(index[(client == cid) & (split == name)])
+
+    ids = sorted(int(c) for c in np.unique(client) if c != PUBLIC_CLIENT)
+    return {
+        "clients": {
+            cid: ClientSplit(train=pick(cid, "train"), test=pick(cid, "test")) for cid in ids
+        },
+        "public": pick(PUBLIC_CLIENT, "public"),
+    }
+
+
+def plot_label_distribution(fed: Federation, path: str | Path) -> Path:
+    """Save a stacked horizontal bar chart of each client's training class counts as PNG.
+
+    Args:
+        fed: the federation.
+        path: output file (parent directories are created).
+
+    Returns:
+        `path`.
+    """
+    # The object-oriented API renders with Agg without touching pyplot's global backend.
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    counts = fed.class_counts("train")
+    n_clients, n_classes = counts.shape
+    height = min(2.0 + 0.25 * n_clients, 40.0)
+    fig = Figure(figsize=(8.0, height))
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps[
+        "tab10" if n_classes <= 10 else "tab20" if n_classes <= 20 else "viridis"
+    ]
+    left = np.zeros(n_clients)
+    clients = np.arange(n_clients)
+    for cls in range(n_classes):
+        color = cmap(cls if n_classes <= 20 else cls / max(n_classes - 1, 1))
+        ax.barh(clients, counts[:, cls], left=left, color=color, label=str(cls), height=0.8)
+        left += counts[:, cls]
+    ax.set_xlabel("training samples")
+    ax.set_ylabel("client")
+    ax.set_title(f"{fed.dataset.name}: label distribution over {n_clients} clients")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(n_clients - 0.5, -0.5)  # client 0 on top, no empty rows
+    if n_classes <= 20:
+        ax.legend(title="class", loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+    return path
