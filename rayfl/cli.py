@@ -80,10 +80,20 @@ def final_table(result: Any, wall_s: float) -> str:
         if key in final:
             rows.append((key, f"{final[key]:.4f}"))
     rounds = max(1, len(result.history))
-    rows.append(("comm MB up / down per round", f"{final.get('comm/bytes_up_total', 0) / rounds / 1e6:.3f} / "
-                 f"{final.get('comm/bytes_down_total', 0) / rounds / 1e6:.3f}"))
-    rows.append(("comm MB up / down total", f"{final.get('comm/bytes_up_total', 0) / 1e6:.2f} / "
-                 f"{final.get('comm/bytes_down_total', 0) / 1e6:.2f}"))
+    rows.append(
+        (
+            "comm MB up / down per round",
+            f"{final.get('comm/bytes_up_total', 0) / rounds / 1e6:.3f} / "
+            f"{final.get('comm/bytes_down_total', 0) / rounds / 1e6:.3f}",
+        )
+    )
+    rows.append(
+        (
+            "comm MB up / down total",
+            f"{final.get('comm/bytes_up_total', 0) / 1e6:.2f} / "
+            f"{final.get('comm/bytes_down_total', 0) / 1e6:.2f}",
+        )
+    )
     rows.append(("rounds", f"{len(result.history)}"))
     mean_round = sum(r["time/round_s"] for r in result.history) / rounds
     rows.append(("seconds per round (mean)", f"{mean_round:.2f}"))
@@ -102,7 +112,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
-            raise UserError(f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run")
+            raise UserError(
+                f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
+            )
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
         if not args.config:
@@ -128,6 +140,11 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
     import yaml
 
     raw = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    if isinstance(raw, dict) and "bench" in raw:
+        from rayfl.bench import load_bench
+
+        bench = load_bench(path, list(overrides))
+        return f"benchmark of {len(bench.variants)} variants"
     if isinstance(raw, dict) and "suite" in raw:
         from rayfl.compare import load_suite
 
@@ -210,9 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("validate", help="check experiment, suite or sweep files without running them")
+    p = sub.add_parser(
+        "validate", help="check experiment, suite or sweep files without running them"
+    )
     p.add_argument("configs", nargs="+")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="key=value override")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="key=value override"
+    )
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("ls", help="list algorithms, models, families, datasets, partitioners")
@@ -223,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("compare", help="run a comparison suite (algorithms x seeds on one partition)")
+    p = sub.add_parser(
+        "compare", help="run a comparison suite (algorithms x seeds on one partition)"
+    )
     p.add_argument("suite")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--out", help="output directory")
@@ -250,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rayfl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("rayfl: interrupted; the run directory keeps the last checkpoint (rayfl run --resume DIR)", file=sys.stderr)
+        print(
+            "rayfl: interrupted; the run directory keeps the last checkpoint (rayfl run --resume DIR)",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -36,7 +36,9 @@ class DataConfig:
     root: str | None = None  # None: $RAYFL_DATA or ~/.cache/rayfl/data
     num_clients: int = 20
     partition: PartitionConfig = field(default_factory=PartitionConfig)
-    test_fraction: float = 0.2  # per-client local test split, same label distribution as its train split
+    test_fraction: float = (
+        0.2  # per-client local test split, same label distribution as its train split
+    )
     public_fraction: float = 0.0  # held-out public / distillation split taken before partitioning
     train_samples: int | None = None  # seeded subset of the training set (None: all of it)
     options: dict[str, Any] = field(default_factory=dict)  # dataset-specific (e.g. synthetic sizes)
@@ -80,7 +82,9 @@ class EngineConfig:
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    address: str | None = None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
+    address: str | None = (
+        None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
+    )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
@@ -147,7 +151,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 f"choose one of {', '.join(map(str, args))}"
             )
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=f"{key}.")
     if origin is tuple:
         if not isinstance(value, list | tuple):
@@ -193,7 +197,11 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
                 f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
                 f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
             )
-    kwargs = {name: _convert(data[name], hints[name], f"{prefix}{name}") for name in fields if name in data}
+    kwargs = {
+        name: _convert(data[name], hints[name], f"{prefix}{name}")
+        for name in fields
+        if name in data
+    }
     missing = [
         n
         for n, f in fields.items()
@@ -312,7 +320,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a YAML experiment file and apply `key=value` overrides."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found: check the path (examples live in experiments/)")
+        raise ConfigError(
+            f"config file {path} not found: check the path (examples live in experiments/)"
+        )
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -357,11 +367,21 @@ def check(cfg: RunConfig) -> None:
         PARTITIONERS.get(d.partition.name, key="data.partition.name")
     require(d.num_clients >= 1, "data.num_clients", f"must be at least 1 (got {d.num_clients})")
     require(d.partition.alpha > 0, "data.partition.alpha", f"must be > 0 (got {d.partition.alpha})")
-    require(0.0 < d.test_fraction < 1.0, "data.test_fraction", f"must be in (0, 1) (got {d.test_fraction})")
-    require(0.0 <= d.public_fraction < 1.0, "data.public_fraction", f"must be in [0, 1) (got {d.public_fraction})")
+    require(
+        0.0 < d.test_fraction < 1.0,
+        "data.test_fraction",
+        f"must be in (0, 1) (got {d.test_fraction})",
+    )
+    require(
+        0.0 <= d.public_fraction < 1.0,
+        "data.public_fraction",
+        f"must be in [0, 1) (got {d.public_fraction})",
+    )
     require(e.rounds >= 1, "engine.rounds", f"must be at least 1 (got {e.rounds})")
     require(
-        0.0 < e.fraction <= 1.0, "engine.fraction", f"must be in (0, 1] (got {e.fraction}); 1.0 samples every client"
+        0.0 < e.fraction <= 1.0,
+        "engine.fraction",
+        f"must be in (0, 1] (got {e.fraction}); 1.0 samples every client",
     )
     if e.clients_per_round is not None:
         require(
@@ -374,7 +394,10 @@ def check(cfg: RunConfig) -> None:
     require(e.clients_per_call >= 1, "engine.clients_per_call", "must be at least 1")
     require(e.min_replies >= 1, "engine.min_replies", "must be at least 1")
     require(e.num_workers is None or e.num_workers >= 1, "engine.num_workers", "must be at least 1")
-    for name, res in (("worker_resources", e.worker_resources), ("server_resources", e.server_resources)):
+    for name, res in (
+        ("worker_resources", e.worker_resources),
+        ("server_resources", e.server_resources),
+    ):
         for attr in ("num_cpus", "num_gpus"):
             value = getattr(res, attr)
             require(value >= 0, f"engine.{name}.{attr}", f"must be >= 0 (got {value})")
@@ -383,15 +406,22 @@ def check(cfg: RunConfig) -> None:
                 f"engine.{name}.{attr}",
                 f"fractions above 1 must be whole numbers (got {value})",
             )
-    require(e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
-            "engine.worker_resources", "a worker must reserve some CPU or GPU")
+    require(
+        e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
+        "engine.worker_resources",
+        "a worker must reserve some CPU or GPU",
+    )
     require(t.local_epochs >= 0, "train.local_epochs", "must be >= 0")
     require(t.batch_size >= 1, "train.batch_size", "must be at least 1")
     require(t.lr > 0, "train.lr", f"must be > 0 (got {t.lr})")
     require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     require(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip", "must be > 0 or null")
     if cfg.model.proportions is not None:
-        require(all(p > 0 for p in cfg.model.proportions), "model.proportions", "every proportion must be > 0")
+        require(
+            all(p > 0 for p in cfg.model.proportions),
+            "model.proportions",
+            "every proportion must be > 0",
+        )
 
 
 def clients_per_round(cfg: RunConfig) -> int:

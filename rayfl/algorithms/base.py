@@ -101,7 +101,9 @@ class ServerData(Protocol):
 
     device: torch.device
 
-    def batches(self, split: str = "public", batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
+    def batches(
+        self, split: str = "public", batch_size: int | None = None, shuffle: bool = False
+    ) -> Iterator[Batch]:
         """Batches of the `public` (distillation) split or the server `test` set."""
         ...
 
@@ -158,7 +160,11 @@ class Client:
         for name, module in self.persistent.items():
             prefix = f"{name}."
             module.load_state_dict(
-                {k[len(prefix) :]: torch.from_numpy(np.array(v)) for k, v in state.items() if k.startswith(prefix)}
+                {
+                    k[len(prefix) :]: torch.from_numpy(np.array(v))
+                    for k, v in state.items()
+                    if k.startswith(prefix)
+                }
             )
 
     def modules(self) -> list[nn.Module]:
@@ -206,7 +212,9 @@ class Algorithm:
     client: type[Client]
     server: type[Server]
     needs_homogeneous: bool = False  # one architecture for every client (fedavg, fedprox)
-    needs_common_feature_dim: bool = False  # shares heads/prototypes (lg_fedavg, fedproto, fedgh, fd)
+    needs_common_feature_dim: bool = (
+        False  # shares heads/prototypes (lg_fedavg, fedproto, fedgh, fd)
+    )
     needs_public: bool = False  # uses the held-out public split (fedmd, feddf, fedfd)
     summary: str = ""
 
@@ -223,7 +231,9 @@ def to_numpy(state: Mapping[str, torch.Tensor]) -> Payload:
 
 def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
     """Load a numpy state dict (possibly read-only, zero-copy from Ray) into `module` in place."""
-    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict)
+    module.load_state_dict(
+        {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict
+    )
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:

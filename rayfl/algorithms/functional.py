@@ -41,7 +41,7 @@ def normalized_weights(counts: Sequence[float], cap: float | None = None) -> np.
     return w
 
 
-def weighted_average(states: Sequence[State], weights: Sequence[float]) -> dict[str, np.ndarray]:
+def weighted_average(states: Sequence[State], weights: Sequence[float] | np.ndarray) -> dict[str, np.ndarray]:
     """Per-key weighted average of numpy state dicts (weights need not be normalized).
 
     Integer entries (e.g. BatchNorm's `num_batches_tracked`) take the first state's value.
@@ -64,7 +64,9 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> dict[
 
 def clip_update(update: State, max_norm: float) -> dict[str, np.ndarray]:
     """Scale a whole update (a state difference) so that its global L2 norm is at most `max_norm`."""
-    norm = float(np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values())))
+    norm = float(
+        np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values()))
+    )
     scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
     return {k: (v * scale).astype(v.dtype) for k, v in update.items()}
 
@@ -87,7 +89,9 @@ def ema(old: State, new: State, decay: float) -> dict[str, np.ndarray]:
     }
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Hinton's distillation loss: `T^2 * KL(softmax(teacher/T) || softmax(student/T))`, batch mean.
 
     Gradients flow into the student only if the caller did not detach it; detach the teacher
@@ -101,4 +105,9 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
 def logit_kl(a_logits: torch.Tensor, b_logits: torch.Tensor) -> torch.Tensor:
     """`KL(softmax(a) || softmax(b))`, batch mean, temperature 1 (a diagnostic)."""
-    return F.kl_div(F.log_softmax(b_logits, 1), F.log_softmax(a_logits, 1), reduction="batchmean", log_target=True)
+    return F.kl_div(
+        F.log_softmax(b_logits, 1),
+        F.log_softmax(a_logits, 1),
+        reduction="batchmean",
+        log_target=True,
+    )

@@ -29,5 +29,7 @@ class LocalClient(Client):
 
 ALGORITHMS.add(
     "local",
-    Algorithm("local", NoParams, LocalClient, Server, summary="standalone local training, no sharing"),
+    Algorithm(
+        "local", NoParams, LocalClient, Server, summary="standalone local training, no sharing"
+    ),
 )

@@ -19,9 +19,9 @@ proxy update, and EMA of the global proxy applied every `ema_every` rounds.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +51,14 @@ class PFedESParams:
     variant: Literal["kd", "input"] = "kd"
     T: float = 4.0  # distillation temperature (kd)
     alpha: float = 0.1  # weight of the proxy's KD loss (kd)
-    beta: float = 0.0  # return path: local model distils from the received proxy (0 = the literal method)
+    beta: float = (
+        0.0  # return path: local model distils from the received proxy (0 = the literal method)
+    )
     embed_dim: int = 128  # proxy embedding size (kd)
     mu: float = 0.5  # stage-1 weight of the proxied path (input)
-    proxy_epochs: int | None = None  # stage-2 epochs (input); None: local_epochs + 10 as in the official code
+    proxy_epochs: int | None = (
+        None  # stage-2 epochs (input); None: local_epochs + 10 as in the official code
+    )
     weight_cap: float | None = None  # server: no client weighs more than this (e.g. 0.3)
     clip_update: float | None = None  # server: L2 bound on each client's proxy update (e.g. 5.0)
     ema: float | None = None  # server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)
@@ -71,10 +75,22 @@ class PFedESParams:
             "algorithm.weight_cap",
             f"must be in (0, 1] or null (got {self.weight_cap})",
         )
-        require(self.clip_update is None or self.clip_update > 0, "algorithm.clip_update", "must be > 0 or null")
-        require(self.ema is None or 0 <= self.ema < 1, "algorithm.ema", f"must be in [0, 1) or null (got {self.ema})")
+        require(
+            self.clip_update is None or self.clip_update > 0,
+            "algorithm.clip_update",
+            "must be > 0 or null",
+        )
+        require(
+            self.ema is None or 0 <= self.ema < 1,
+            "algorithm.ema",
+            f"must be in [0, 1) or null (got {self.ema})",
+        )
         require(self.ema_every >= 1, "algorithm.ema_every", "must be at least 1")
-        require(self.proxy_epochs is None or self.proxy_epochs >= 0, "algorithm.proxy_epochs", "must be >= 0")
+        require(
+            self.proxy_epochs is None or self.proxy_epochs >= 0,
+            "algorithm.proxy_epochs",
+            "must be >= 0",
+        )
 
 
 def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -113,7 +129,9 @@ class PFedESClient(Client):
         local_logits = self.model(x)
         proxy_logits, _ = self.proxy(x)
         # detach: CE trains only the local model, KD only the proxy; otherwise they chase each other.
-        loss = F.cross_entropy(local_logits, y) + p.alpha * fn.kd_loss(proxy_logits, local_logits.detach(), p.T)
+        loss = F.cross_entropy(local_logits, y) + p.alpha * fn.kd_loss(
+            proxy_logits, local_logits.detach(), p.T
+        )
         if self.teacher is not None:
             with torch.no_grad():
                 teacher_logits, _ = self.teacher(x)
@@ -124,7 +142,9 @@ class PFedESClient(Client):
         with torch.no_grad():
             gx = self.proxy(x)
         mu = self.params.mu
-        return (1 - mu) * F.cross_entropy(self.model(x), y) + mu * F.cross_entropy(self.model(gx), y)
+        return (1 - mu) * F.cross_entropy(self.model(x), y) + mu * F.cross_entropy(
+            self.model(gx), y
+        )
 
     def _stage2_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(self.proxy(x)), y)
@@ -168,7 +188,7 @@ class PFedESServer(Server):
     def state_dict(self) -> dict[str, Payload]:
         return {"proxy": to_numpy(self.proxy.state_dict())}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         load_numpy(self.proxy, state["proxy"])
 
 

@@ -57,7 +57,11 @@ class ProgressBar(Callback):
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         post = {"round": round_idx}
-        for key, short in (("personal/acc", "acc"), ("proxy/acc", "proxy"), ("global/acc", "global")):
+        for key, short in (
+            ("personal/acc", "acc"),
+            ("proxy/acc", "proxy"),
+            ("global/acc", "global"),
+        ):
             if key in metrics:
                 post[short] = f"{metrics[key]:.4f}"  # type: ignore[assignment]
         post["s/round"] = f"{metrics['time/round_s']:.1f}"  # type: ignore[assignment]
@@ -102,7 +106,9 @@ class RunDirectory(Callback):
         config_path.write_text(yaml.safe_dump(to_dict(sim.cfg), sort_keys=False))
         self.artifacts = [config_path]
         self.artifacts += save_partition(sim.federation, self.run_dir)
-        self.artifacts.append(plot_label_distribution(sim.federation, self.run_dir / "label_distribution.png"))
+        self.artifacts.append(
+            plot_label_distribution(sim.federation, self.run_dir / "label_distribution.png")
+        )
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
@@ -126,9 +132,15 @@ class RunDirectory(Callback):
         if history:
             write_metrics(history, self.run_dir / "metrics.parquet")
             self.artifacts.append(self.run_dir / "metrics.parquet")
-            self.artifacts.append(plot_learning_curves(history, self.run_dir / "learning_curves.png", title=sim.cfg.name))
+            self.artifacts.append(
+                plot_learning_curves(
+                    history, self.run_dir / "learning_curves.png", title=sim.cfg.name
+                )
+            )
             if any(k.startswith("personal/acc/arch=") for k in history[-1]):
-                self.artifacts.append(plot_per_architecture(history, self.run_dir / "per_architecture.png"))
+                self.artifacts.append(
+                    plot_per_architecture(history, self.run_dir / "per_architecture.png")
+                )
 
 
 def write_metrics(history: list[dict[str, float]], path: Path) -> None:
@@ -151,7 +163,9 @@ class TrackerCallback(Callback):
 
     def on_run_start(self, sim: Simulation) -> None:
         self.tracker.log_config(flatten(to_dict(sim.cfg)))
-        self.tracker.set_tags({"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset})
+        self.tracker.set_tags(
+            {"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset}
+        )
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=round_idx)

@@ -54,10 +54,12 @@ class Checkpoint(Callback):
         clients_dir.mkdir(parents=True, exist_ok=True)
         for cid, state in sim.executor.client_states(sorted(self._dirty)):
             tmp = clients_dir / f"{cid}.tmp.npz"
-            np.savez(tmp, **state)
+            np.savez(tmp, **state)  # type: ignore[arg-type]
             tmp.replace(clients_dir / f"{cid}.npz")
         self._dirty.clear()
-        _atomic_write(self.dir / "server.pkl", pickle.dumps(sim.executor.server_state(), protocol=5))
+        _atomic_write(
+            self.dir / "server.pkl", pickle.dumps(sim.executor.server_state(), protocol=5)
+        )
         meta = {"round": round_idx, "history": sim.result.history}
         _atomic_write(self.dir / "meta.json", json.dumps(meta).encode())
         log.debug("checkpoint after round %d in %s", round_idx, self.dir)
@@ -67,7 +69,9 @@ def restore(sim: Simulation, ckpt_dir: Path) -> None:
     """Load server and client states and the history; the loop continues after the saved round."""
     meta_path = ckpt_dir / "meta.json"
     if not meta_path.exists():
-        raise UserError(f"no checkpoint in {ckpt_dir}: --resume needs a run directory written by `rayfl run --out`")
+        raise UserError(
+            f"no checkpoint in {ckpt_dir}: --resume needs a run directory written by `rayfl run --out`"
+        )
     meta = json.loads(meta_path.read_text())
     assert sim.executor is not None
     sim.executor.load_server_state(pickle.loads((ckpt_dir / "server.pkl").read_bytes()))

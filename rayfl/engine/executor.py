@@ -45,7 +45,9 @@ class Executor(ABC):
         """Train the clients; returns their metrics and handles of their reply lists."""
 
     @abstractmethod
-    def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]: ...
+    def server_step(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> dict[str, float]: ...
 
     @abstractmethod
     def server_state(self) -> dict[str, Any]: ...
@@ -84,7 +86,9 @@ class SerialExecutor(Executor):
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
     ) -> tuple[list[ClientMetrics], list[Any]]:
         states = [self.states.get(c) for c in client_ids]
-        metrics, replies, new_states = self.runner.fit(round_idx, client_ids, payloads, states, evaluate)
+        metrics, replies, new_states = self.runner.fit(
+            round_idx, client_ids, payloads, states, evaluate
+        )
         self.states.update(zip(client_ids, new_states))
         return metrics, [replies]
 
@@ -110,7 +114,11 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     """Start a private local Ray (or join `address`); returns True when this call started it."""
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "configure_logging": False,
+    }
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -157,7 +165,9 @@ def plan_workers(cfg: RunConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
-    def __init__(self, spec: RunSpec, federation: Federation, cfg: RunConfig, per_round: int) -> None:
+    def __init__(
+        self, spec: RunSpec, federation: Federation, cfg: RunConfig, per_round: int
+    ) -> None:
         self.spec = spec
         self.cfg = cfg
         self._started_ray = init_ray(cfg.engine.address, cfg.engine.ray_num_cpus)
@@ -167,14 +177,15 @@ class RayExecutor(Executor):
             # The dataset goes into the object store once; every actor maps it zero-copy.
             self._federation_ref = ray.put(federation)
             self._worker_cls = ray.remote(ClientWorker).options(
-                num_cpus=e.worker_resources.num_cpus, num_gpus=e.worker_resources.num_gpus, max_restarts=0
+                num_cpus=e.worker_resources.num_cpus,
+                num_gpus=e.worker_resources.num_gpus,
+                max_restarts=0,
             )
             self.workers = [self._new_worker() for _ in range(self.num_workers)]
-            self.server = (
-                ray.remote(ServerActor)
-                .options(num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus)
-                .remote(spec, self._federation_ref)
-            )
+            server_cls: Any = ray.remote(ServerActor)
+            self.server = server_cls.options(
+                num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
+            ).remote(spec, self._federation_ref)
             ray.get([w.info.remote() for w in self.workers] + [self.server.device.remote()])
         except Exception:
             self.close()
@@ -210,7 +221,9 @@ class RayExecutor(Executor):
                 refs = (
                     self.workers[slot]
                     .fit.options(num_returns=2 + len(batch))
-                    .remote(round_idx, batch, payloads, evaluate, *[self.states.get(c) for c in batch])
+                    .remote(
+                        round_idx, batch, payloads, evaluate, *[self.states.get(c) for c in batch]
+                    )
                 )
                 running[refs[0]] = (slot, batch, refs)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -218,7 +231,9 @@ class RayExecutor(Executor):
             if not done:
                 log.warning(
                     "round %d: deadline engine.round_timeout_s=%s passed; %d client batches dropped",
-                    round_idx, e.round_timeout_s, len(running) + len(pending),
+                    round_idx,
+                    e.round_timeout_s,
+                    len(running) + len(pending),
                 )
                 for ref in running:
                     with suppress(Exception):
@@ -235,7 +250,9 @@ class RayExecutor(Executor):
                         f"round {round_idx}: clients {batch} failed {retries[key]} times (worker died); "
                         "check memory (engine.worker_resources) or raise engine.max_retries"
                     ) from None
-                log.warning("round %d: a worker died; retrying clients %s on a new worker", round_idx, batch)
+                log.warning(
+                    "round %d: a worker died; retrying clients %s on a new worker", round_idx, batch
+                )
                 self.workers[slot] = self._new_worker()
                 pending.appendleft(batch)
                 idle.append(slot)
@@ -273,7 +290,9 @@ class RayExecutor(Executor):
             self._started_ray = False
 
 
-def make_executor(cfg: RunConfig, spec: RunSpec, federation: Federation, per_round: int) -> Executor:
+def make_executor(
+    cfg: RunConfig, spec: RunSpec, federation: Federation, per_round: int
+) -> Executor:
     if cfg.engine.executor == "serial":
         return SerialExecutor(spec, federation)
     return RayExecutor(spec, federation, cfg, per_round)

@@ -56,7 +56,9 @@ def partition_options(cfg: RunConfig) -> dict[str, Any]:
     fn = PARTITIONERS.get(cfg.data.partition.name, key="data.partition.name")
     accepted = inspect.signature(fn).parameters
     p = cfg.data.partition
-    return {k: getattr(p, k) for k in ("alpha", "min_samples", "classes_per_client") if k in accepted}
+    return {
+        k: getattr(p, k) for k in ("alpha", "min_samples", "classes_per_client") if k in accepted
+    }
 
 
 def prepare_federation(cfg: RunConfig) -> Federation:
@@ -73,7 +75,9 @@ def prepare_federation(cfg: RunConfig) -> Federation:
     )
 
 
-def check_algorithm_fits(algo: Algorithm, cfg: RunConfig, archs: list[str], federation: Federation) -> None:
+def check_algorithm_fits(
+    algo: Algorithm, cfg: RunConfig, archs: list[str], federation: Federation
+) -> None:
     """Refuse algorithm/family/data combinations that cannot work, naming the fix."""
     family = family_from_config(cfg.model.family, cfg.model.architectures)
     distinct = sorted(set(archs))
@@ -157,7 +161,9 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
 class Simulation:
     """One federated simulation: data, executor and the round loop, driven by callbacks."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None
+    ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.callbacks = list(callbacks or [])

@@ -30,7 +30,9 @@ class RoundFailed(UserError):
 class EngineServerData:
     """`rayfl.algorithms.base.ServerData`: the public split and the server test set."""
 
-    def __init__(self, federation: Federation, device: torch.device, batch_size: int, eval_batch_size: int):
+    def __init__(
+        self, federation: Federation, device: torch.device, batch_size: int, eval_batch_size: int
+    ):
         self.device = device
         self._federation = federation
         self._sizes = {"public": batch_size, "test": eval_batch_size}
@@ -53,14 +55,20 @@ class EngineServerData:
             return len(self._federation.public)
         return len(self._federation.dataset.y_test)
 
-    def batches(self, split: str = "public", batch_size: int | None = None, shuffle: bool = False) -> Iterator[Batch]:
+    def batches(
+        self, split: str = "public", batch_size: int | None = None, shuffle: bool = False
+    ) -> Iterator[Batch]:
         size = batch_size or self._sizes[split]
         return self._data(split).iterate(size, self.generator if shuffle else None)
 
 
 def is_finite(payload: Any) -> bool:
     for v in payload.values():
-        if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
+        if (
+            isinstance(v, np.ndarray)
+            and np.issubdtype(v.dtype, np.floating)
+            and not np.isfinite(v).all()
+        ):
             return False
         if isinstance(v, dict) and not is_finite(v):
             return False
@@ -74,13 +82,17 @@ class ServerRunner:
         self.device = device
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         self.server = spec.algo.server(spec.server_context(device), spec.params)
-        self.data = EngineServerData(federation, device, spec.train.batch_size, spec.train.eval_batch_size)
+        self.data = EngineServerData(
+            federation, device, spec.train.batch_size, spec.train.eval_batch_size
+        )
 
     def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], list[Payload]]:
         payloads = [self.server.broadcast(a) for a in archs]
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
-    def step(self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool) -> dict[str, float]:
+    def step(
+        self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool
+    ) -> dict[str, float]:
         """Aggregate the round's replies (in client-id order), run the server update, evaluate."""
         replies = sorted((r for batch in reply_lists for r in batch), key=lambda r: r.client_id)
         valid = []
@@ -88,7 +100,11 @@ class ServerRunner:
             if is_finite(r.payload) and r.num_samples > 0:
                 valid.append(r)
             else:
-                log.warning("round %d: rejected a non-finite or empty reply from client %d", round_idx, r.client_id)
+                log.warning(
+                    "round %d: rejected a non-finite or empty reply from client %d",
+                    round_idx,
+                    r.client_id,
+                )
         if len(valid) < self.spec.min_replies:
             raise RoundFailed(
                 f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "

@@ -24,26 +24,38 @@ def make_optimizer(
     lr = settings.lr if lr is None else lr
     if settings.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=settings.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+    return torch.optim.SGD(
+        params, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
+    )
 
 
 class ArrayBatches:
     """Batches of `dataset.x_train[indices]` (or the test set), normalized on the device."""
 
-    def __init__(self, dataset: ArrayDataset, indices: np.ndarray | None, device: torch.device, test: bool = False):
+    def __init__(
+        self,
+        dataset: ArrayDataset,
+        indices: np.ndarray | None,
+        device: torch.device,
+        test: bool = False,
+    ):
         x = dataset.x_test if test else dataset.x_train
         y = dataset.y_test if test else dataset.y_train
         if indices is not None:
             x, y = x[indices], y[indices]
         self.x = dataset.as_tensor(x).to(device)
-        self.y = torch.as_tensor(np.asarray(y), dtype=torch.long).to(device)
+        self.y = torch.from_numpy(np.array(y, dtype=np.int64)).to(device)
 
     def __len__(self) -> int:
         return len(self.y)
 
     def iterate(self, batch_size: int, generator: torch.Generator | None = None) -> Iterator[Batch]:
         n = len(self.y)
-        order = torch.randperm(n, generator=generator).to(self.x.device) if generator is not None else None
+        order = (
+            torch.randperm(n, generator=generator).to(self.x.device)
+            if generator is not None
+            else None
+        )
         for start in range(0, n, batch_size):
             if order is None:
                 yield self.x[start : start + batch_size], self.y[start : start + batch_size]

@@ -1,0 +1,119 @@
+"""FD (federated distillation): Jeong et al., "Communication-Efficient On-Device Machine Learning:
+Federated Distillation and Augmentation under Non-IID Private Data" (NeurIPS 2018 workshop;
+arXiv 1811.11479).
+
+Clients share no weights, only their per-class mean logits; the regularizer pulls each sample's
+logits towards the federation's mean logits of its label:
+
+    loss = CE(f(x), y) + gamma * MSE(f(x), G[y])
+
+(`MSE` over the classes whose global entry exists; unseen classes contribute zero, see
+`rayfl.algorithms.protos.masked_class_mse`). The paper distils with a KL on the global logits and
+excludes each client's own contribution; rayfl uses the squared distance of the HtFLlib
+implementation and the plain global average.
+
+Logits have `num_classes` entries whatever the architecture, so unlike prototype methods FD does
+*not* need a common feature size (`needs_common_feature_dim=False`): any family whose models
+share the label space works.
+
+Shares: per-class mean logits and per-class sample counts up (`C x (C + 1)` floats); the global
+per-class logits down.
+Keeps local: the whole model (the personalized model).
+Server: per-class average of the clients' mean logits, weighted by their class counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms import protos
+from rayfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Payload,
+    Reply,
+    Server,
+    ServerContext,
+    Trainer,
+)
+from rayfl.errors import require
+from rayfl.models import build_model
+from rayfl.registry import ALGORITHMS
+
+
+@dataclass(frozen=True)
+class FDParams:
+    gamma: float = 1.0  # weight of the distance to the global class logits
+
+    def __post_init__(self) -> None:
+        require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
+
+
+class FDClient(Client):
+    def __init__(self, ctx: ClientContext, params: FDParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.persistent = {"model": self.model}
+        self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
+        self.global_counts = torch.zeros(ctx.num_classes)
+        self.stats: Payload = {}
+
+    def receive(self, payload: Payload) -> None:
+        self.global_logits, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        loss = F.cross_entropy(logits, y)
+        if self.params.gamma > 0:
+            loss = loss + self.params.gamma * protos.masked_class_mse(
+                logits, y, self.global_logits, self.global_counts
+            )
+        return loss
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        metrics = trainer.run(self.training_step, [self.model])
+        # The shared statistics describe the model as trained this round.
+        self.model.eval()
+        self.stats = protos.class_means(self.model, trainer.batches("train"), self.ctx.num_classes)
+        return metrics
+
+    def upload(self) -> Payload:
+        return self.stats
+
+
+class FDServer(Server):
+    def __init__(self, ctx: ServerContext, params: FDParams) -> None:
+        super().__init__(ctx, params)
+        self.table = protos.empty_class_stats(ctx.num_classes, ctx.num_classes)
+
+    def broadcast(self, arch: str) -> Payload:
+        return dict(self.table)
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        self.table = protos.aggregate_class_means([r.payload for r in replies])
+        return {"fd/classes_known": float(np.count_nonzero(self.table["counts"]))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table": dict(self.table)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.table = {k: np.array(v) for k, v in state["table"].items()}
+
+
+ALGORITHMS.add(
+    "fd",
+    Algorithm(
+        "fd",
+        FDParams,
+        FDClient,
+        FDServer,
+        summary="federated distillation of per-class mean logits",
+    ),
+)

@@ -1,0 +1,389 @@
+"""FedFD: Li et al., "Feature Distillation is the Better Choice for Model-Heterogeneous Federated
+Learning" (NeurIPS 2025; arXiv 2507.10348). Also FedDF: Lin et al., "Ensemble Distillation for
+Robust Model Fusion in Federated Learning" (NeurIPS 2020), as the logit-distillation setting of
+the same server (`feddf`).
+
+Clients are width levels of ResNet-18 trained with cross-entropy, exactly as in HeteroFL
+(`rayfl.algorithms.heterofl`); the server aggregates the slices per entry, then distils the
+ensemble of the round's client models into its full-width global model on the public
+(distillation) split:
+
+- `distill=feature` (FedFD): for every architecture group d present this round, the features
+  of the group's client extractors are averaged, `e^d = mean_{k in S_d} f(w_k; x)`; the global
+  features z are projected into group d's feature space by that group's projection `M_d`; the
+  loss is the mean over groups of `T^2 KL(softmax(e^d / T) || softmax(M_d z / T))` (softmax over
+  feature dimensions).
+- `distill=logit` (FedDF-style; FedFD's "logit distillation" comparison): the teacher is the
+  average of all client models' logits, the loss `T^2 KL(softmax(teacher / T) || softmax(g(x) / T))`.
+- `distill=both`: the sum of the two.
+
+Projections (`projection=`): `orthogonal` (default) `M_d` = the leading `d_group x d_global`
+block of `exp(A - A^T)`, an orthogonal matrix, so its rows are orthonormal whatever the optimizer
+does; `linear` a plain learned matrix (the ablation); `identity` where the sizes are equal. Both
+learned kinds start as the leading identity block: narrower clients' features are the leading
+channels of the global model's, so that is the natural initial alignment.
+
+The group targets (features and logits) are computed once per round under `no_grad`, loading
+each reply into a cached model of its architecture; then `steps` minibatches of distillation
+train the global model and the projections on the server's device.
+
+Differences from the papers, deliberate: FedDF distils one prototype model per architecture;
+here, as in FedFD's comparison, the single global model is distilled and clients get its slices.
+
+Shares: the client's slice of the global model (down), the trained slice (up).
+Keeps local: nothing.
+Server: per-entry sliced averaging (HeteroFL), then ensemble feature / logit distillation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from rayfl.algorithms import functional as fn
+from rayfl.algorithms.base import (
+    Algorithm,
+    Payload,
+    Reply,
+    ServerContext,
+    ServerData,
+    load_numpy,
+    to_numpy,
+)
+from rayfl.algorithms.heterofl import (
+    HeteroFLClient,
+    HeteroFLParams,
+    HeteroFLServer,
+    build_width_model,
+)
+from rayfl.errors import ConfigError, require
+from rayfl.registry import ALGORITHMS
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FedDFParams",
+    "FedDFServer",
+    "FedFDClient",
+    "FedFDParams",
+    "FedFDServer",
+    "LinearProjection",
+    "OrthogonalProjection",
+    "build_projection",
+    "feature_distill_loss",
+    "orthogonality_error",
+]
+
+
+@dataclass(frozen=True)
+class FedFDParams(HeteroFLParams):
+    """FedFD hyperparameters (plus HeteroFL's `global_arch`, `static_bn`, `scaler`, `weighting`).
+
+    Attributes:
+        distill: `feature` (FedFD), `logit` (FedDF-style averaged logits) or `both`.
+        projection: `orthogonal` (FedFD), `linear` (ablation) or `identity` (equal sizes only).
+        steps: distillation minibatches per round (0 turns distillation off: HeteroFL).
+        lr: distillation learning rate (the paper: 0.01).
+        optimizer: distillation optimizer; SGD uses `momentum`, both use `train.weight_decay`.
+        momentum: SGD momentum of the distillation optimizer.
+        T: softmax temperature over feature dimensions (and logits).
+        batch_size: distillation minibatch size; null takes `train.batch_size`.
+    """
+
+    distill: Literal["feature", "logit", "both"] = "feature"
+    projection: Literal["orthogonal", "linear", "identity"] = "orthogonal"
+    steps: int = 50
+    lr: float = 0.01
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = 0.9
+    T: float = 1.0
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.steps >= 0, "algorithm.steps", f"must be >= 0 (got {self.steps})")
+        require(self.lr > 0, "algorithm.lr", f"must be > 0 (got {self.lr})")
+        require(0 <= self.momentum < 1, "algorithm.momentum", f"must be in [0, 1) (got {self.momentum})")
+        require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
+        require(
+            self.batch_size is None or self.batch_size >= 2,
+            "algorithm.batch_size",
+            "must be at least 2 (batch norm needs two samples) or null",
+        )
+
+
+@dataclass(frozen=True)
+class FedDFParams(FedFDParams):
+    """FedDF: the same server with averaged-logit distillation by default."""
+
+    distill: Literal["feature", "logit", "both"] = "logit"
+
+
+# ------------------------------------------------------------------------------------------------
+# projections and the loss
+# ------------------------------------------------------------------------------------------------
+
+
+class OrthogonalProjection(nn.Module):
+    """`z -> z M^T` with `M` the leading `out_dim x in_dim` block of `exp(A - A^T)`.
+
+    `exp` of a skew-symmetric matrix is orthogonal (`exp(S) exp(S)^T = exp(S - S) = I`), so the
+    rows of `M` are orthonormal when `out_dim <= in_dim` (its columns otherwise) after any update
+    of the free parameter `A` (only its strict upper triangle is used). `A = 0` gives the leading
+    identity block.
+
+    Args:
+        in_dim: size of the global model's features.
+        out_dim: size of the group's features.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.in_dim, self.out_dim = int(in_dim), int(out_dim)
+        n = max(self.in_dim, self.out_dim)
+        self.weight = nn.Parameter(torch.zeros(n, n))
+
+    def matrix(self) -> torch.Tensor:
+        """The current `out_dim x in_dim` projection matrix."""
+        upper = torch.triu(self.weight, diagonal=1)
+        return torch.linalg.matrix_exp(upper - upper.T)[: self.out_dim, : self.in_dim]
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.matrix().T
+
+
+class LinearProjection(nn.Module):
+    """`z -> z M^T` with a free `out_dim x in_dim` matrix `M`, started at the leading identity block."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(int(out_dim), int(in_dim)))
+
+    def matrix(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.weight.T
+
+
+def build_projection(kind: str, in_dim: int, out_dim: int, arch: str = "?") -> nn.Module:
+    """The projection of kind `orthogonal`, `linear` or `identity` from `in_dim` to `out_dim` features.
+
+    Raises:
+        ConfigError: `identity` between different sizes.
+    """
+    if kind == "orthogonal":
+        return OrthogonalProjection(in_dim, out_dim)
+    if kind == "linear":
+        return LinearProjection(in_dim, out_dim)
+    if kind == "identity":
+        if in_dim != out_dim:
+            raise ConfigError(
+                f"algorithm.projection=identity needs equal feature sizes, but client model {arch!r} has "
+                f"{out_dim} features and the global model {in_dim}; use projection=orthogonal or linear"
+            )
+        return nn.Identity()
+    raise ConfigError(f"algorithm.projection: unknown kind {kind!r}; use orthogonal, linear or identity")
+
+
+def orthogonality_error(projection: nn.Module) -> float:
+    """`max |M M^T - I|` (or `M^T M` when `M` is tall): 0 for an exactly semi-orthogonal `M`."""
+    matrix_fn = getattr(projection, "matrix", None)
+    if matrix_fn is None:  # identity
+        return 0.0
+    with torch.no_grad():
+        m = matrix_fn().double()
+        if m.shape[0] > m.shape[1]:
+            m = m.T
+        gram = m @ m.T
+        return float((gram - torch.eye(len(gram), dtype=gram.dtype, device=gram.device)).abs().max())
+
+
+def feature_distill_loss(
+    global_features: torch.Tensor,
+    projections: Mapping[str, nn.Module],
+    targets: Mapping[str, torch.Tensor],
+    temperature: float,
+) -> torch.Tensor:
+    """FedFD's loss: mean over the groups in `targets` of `T^2 KL(softmax(e^d/T) || softmax(M_d z/T))`.
+
+    Args:
+        global_features: `(batch, d_global)` features `z` of the global model.
+        projections: one module per group mapping `z` to the group's feature size.
+        targets: per group, the `(batch, d_group)` mean features of its client extractors.
+        temperature: the softmax temperature over feature dimensions.
+
+    Returns:
+        The scalar loss (batch mean of each KL, then the mean over groups).
+    """
+    if not targets:
+        raise ValueError("feature distillation needs at least one group target")
+    losses = [fn.kd_loss(projections[g](global_features), t, temperature) for g, t in targets.items()]
+    return torch.stack(losses).mean()
+
+
+# ------------------------------------------------------------------------------------------------
+# the two halves
+# ------------------------------------------------------------------------------------------------
+
+
+class FedFDClient(HeteroFLClient):
+    """A width level of ResNet-18 trained with cross-entropy on the received slice (as HeteroFL)."""
+
+
+class FedFDServer(HeteroFLServer):
+    """HeteroFL's sliced aggregation followed by ensemble feature and/or logit distillation."""
+
+    metric_prefix = "fedfd"
+
+    def __init__(self, ctx: ServerContext, params: FedFDParams) -> None:
+        super().__init__(ctx, params)
+        self.params: FedFDParams = params
+        d_global = self.model.feature_dim
+        self.projections = nn.ModuleDict()
+        if params.distill in ("feature", "both"):
+            for arch in ctx.architectures:
+                self.projections[arch] = build_projection(
+                    params.projection, d_global, self.feature_dims[arch], arch
+                ).to(ctx.device)
+        self._extractors: dict[str, nn.Module] = {}
+        self._replies: list[Reply] = []
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        metrics = super().aggregate(replies, round_idx)
+        # The replies are the ensemble `update` distils from; dropped again once it has.
+        self._replies = list(replies)
+        return metrics
+
+    # -- distillation ----------------------------------------------------------------------------
+    def _extractor(self, arch: str) -> nn.Module:
+        if arch not in self._extractors:
+            ctx = self.ctx
+            self._extractors[arch] = build_width_model(arch, ctx.in_shape, ctx.num_classes, self.params).to(ctx.device)
+        return self._extractors[arch]
+
+    @torch.no_grad()
+    def _targets(
+        self, batches: Sequence[torch.Tensor], replies: Sequence[Reply]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Per-group mean features and the mean of all clients' logits over the distillation set."""
+        want_features = self.params.distill in ("feature", "both")
+        want_logits = self.params.distill in ("logit", "both")
+        feats: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        logits: torch.Tensor | None = None
+        for reply in replies:
+            model = self._extractor(reply.arch)
+            load_numpy(model, reply.payload)
+            model.eval()
+            f = torch.cat([model.features(x) for x in batches])
+            if want_features:
+                feats[reply.arch] = feats[reply.arch] + f if reply.arch in feats else f
+                counts[reply.arch] = counts.get(reply.arch, 0) + 1
+            if want_logits:
+                out = model.head(f)
+                logits = out if logits is None else logits + out
+        means = {arch: feats[arch] / counts[arch] for arch in sorted(feats)}
+        return means, (logits / len(replies) if logits is not None else None)
+
+    def _optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        p, wd = self.params, self.ctx.train.weight_decay
+        if p.optimizer == "adam":
+            return torch.optim.Adam(params, lr=p.lr, weight_decay=wd)
+        return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=wd)
+
+    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+        replies, self._replies = self._replies, []
+        p = self.params
+        if not replies or p.steps == 0:
+            return {}
+        size = p.batch_size or self.ctx.train.batch_size
+        # A batch of one cannot go through batch norm with batch statistics.
+        batches = [x for x, _ in data.batches("public", batch_size=size) if len(x) > 1]
+        if not batches:
+            log.warning("round %d: the public split is too small to distil from; skipped", round_idx)
+            return {}
+        feats, logits = self._targets(batches, replies)
+        x_all = torch.cat(batches)
+        n = len(x_all)
+        params = list(self.model.parameters()) + list(self.projections.parameters())
+        optimizer = self._optimizer(params)
+        self.model.train()
+        self.projections.train()
+        total = {"loss": 0.0, "feature": 0.0, "logit": 0.0}
+        order = torch.randperm(n)
+        cursor = 0
+        for _ in range(p.steps):
+            if cursor + 2 > n:  # a fresh pass, never a batch of one
+                order, cursor = torch.randperm(n), 0
+            idx = order[cursor : cursor + size].to(x_all.device)
+            cursor += size
+            z = self.model.features(x_all[idx])
+            loss = torch.zeros((), device=z.device)
+            if feats:
+                f_loss = feature_distill_loss(z, self.projections, {a: t[idx] for a, t in feats.items()}, p.T)
+                loss = loss + f_loss
+                total["feature"] += float(f_loss.detach())
+            if logits is not None:
+                l_loss = fn.kd_loss(self.model.head(z), logits[idx], p.T)
+                loss = loss + l_loss
+                total["logit"] += float(l_loss.detach())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total["loss"] += float(loss.detach())
+        self.model.eval()
+        prefix = self.metric_prefix
+        metrics = {
+            f"{prefix}/distill_loss": total["loss"] / p.steps,
+            f"{prefix}/groups": float(len({r.arch for r in replies})),
+        }
+        if p.distill == "both":
+            metrics[f"{prefix}/feature_loss"] = total["feature"] / p.steps
+            metrics[f"{prefix}/logit_loss"] = total["logit"] / p.steps
+        if len(self.projections):
+            metrics[f"{prefix}/orth_error"] = max(orthogonality_error(m) for m in self.projections.values())
+        return metrics
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Payload]:
+        return {"global": to_numpy(self.model.state_dict()), "projections": to_numpy(self.projections.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Payload]) -> None:
+        load_numpy(self.model, state["global"])
+        load_numpy(self.projections, state["projections"])
+
+
+class FedDFServer(FedFDServer):
+    """The FedFD server with FedDF's averaged-logit distillation (its metrics under `feddf/`)."""
+
+    metric_prefix = "feddf"
+
+
+ALGORITHMS.add(
+    "fedfd",
+    Algorithm(
+        "fedfd",
+        FedFDParams,
+        FedFDClient,
+        FedFDServer,
+        needs_public=True,
+        summary="HeteroFL slices + server ensemble feature distillation through orthogonal projections",
+    ),
+)
+ALGORITHMS.add(
+    "feddf",
+    Algorithm(
+        "feddf",
+        FedDFParams,
+        FedFDClient,
+        FedDFServer,
+        needs_public=True,
+        summary="HeteroFL slices + server averaged-logit ensemble distillation (FedDF-style)",
+    ),
+)

@@ -1,0 +1,153 @@
+"""FedGH: Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header"
+(ACM Multimedia 2023; arXiv 2303.13137).
+
+Each client puts the received global header in place of its own head and trains its local model
+with CE; it then uploads one prototype (mean representation) per class it holds. The server
+trains the global header, a linear map `feature_dim -> classes`, on those (prototype, class)
+pairs with its own SGD optimizer (`server_lr`, `server_epochs`, the round's batch size) and sends
+it down.
+
+By default the received header is trained along with the extractor (`freeze_header: false`, the
+paper's algorithm and the HtFLlib code); the personalized model is the local extractor with that
+header. With `freeze_header: true` only the extractor trains and the personalized model is
+exactly the extractor plus the global header.
+
+Shares: per-class prototypes and counts up; the global header down.
+Keeps local: the feature extractor (and the locally tuned header copy).
+Server: trains the global header on the uploaded prototypes (cross-entropy, plain SGD).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms import protos
+from rayfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Payload,
+    Reply,
+    Server,
+    ServerContext,
+    ServerData,
+    Trainer,
+    load_numpy,
+    to_numpy,
+)
+from rayfl.errors import require
+from rayfl.models import build_model
+from rayfl.registry import ALGORITHMS
+
+
+@dataclass(frozen=True)
+class FedGHParams:
+    server_epochs: int = 100  # passes of the header's training over the round's prototypes
+    server_lr: float = 0.01  # the header's own SGD learning rate
+    freeze_header: bool = False  # true: clients train only the extractor under the global header
+
+    def __post_init__(self) -> None:
+        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
+        require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
+
+
+class FedGHClient(Client):
+    def __init__(self, ctx: ClientContext, params: FedGHParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.persistent = {"model": self.model}
+        self.stats: Payload = {}
+
+    def receive(self, payload: Payload) -> None:
+        load_numpy(self.model.head, payload)
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        params = self.model.encoder.parameters() if self.params.freeze_header else None
+        metrics = trainer.run(self.training_step, [self.model], params=params)
+        self.model.eval()
+        self.stats = protos.class_means(self.model.features, trainer.batches("train"), self.ctx.num_classes)
+        return metrics
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y)
+
+    def upload(self) -> Payload:
+        return self.stats
+
+
+def train_header(
+    header: torch.nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+) -> float:
+    """Train `header` on (prototype, class) pairs with CE and plain SGD; returns the last epoch's loss."""
+    optimizer = torch.optim.SGD(header.parameters(), lr=lr)
+    header.train()
+    last = float("nan")
+    for _ in range(epochs):
+        order = torch.randperm(len(labels), device=labels.device)
+        total = 0.0
+        for start in range(0, len(labels), batch_size):
+            idx = order[start : start + batch_size]
+            loss = F.cross_entropy(header(features[idx]), labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+        last = total / len(labels)
+    return last
+
+
+class FedGHServer(Server):
+    def __init__(self, ctx: ServerContext, params: FedGHParams) -> None:
+        super().__init__(ctx, params)
+        model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
+        self.header = copy.deepcopy(model.head).to(ctx.device)
+        self.pairs: tuple[np.ndarray, np.ndarray] | None = None
+
+    def broadcast(self, arch: str) -> Payload:
+        return to_numpy(self.header.state_dict())
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        # Training waits for `update`, where the engine has seeded the server's randomness.
+        self.pairs = protos.prototype_pairs([r.payload for r in replies])
+        return {"fedgh/prototypes": float(len(self.pairs[1]))}
+
+    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+        if self.pairs is None or len(self.pairs[1]) == 0:
+            return {}
+        features = torch.as_tensor(self.pairs[0], device=self.ctx.device)
+        labels = torch.as_tensor(self.pairs[1], device=self.ctx.device)
+        self.pairs = None
+        p = self.params
+        loss = train_header(self.header, features, labels, p.server_epochs, p.server_lr, self.ctx.train.batch_size)
+        return {"fedgh/header_loss": loss} if p.server_epochs > 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"header": to_numpy(self.header.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_numpy(self.header, state["header"])
+
+
+ALGORITHMS.add(
+    "fedgh",
+    Algorithm(
+        "fedgh",
+        FedGHParams,
+        FedGHClient,
+        FedGHServer,
+        needs_common_feature_dim=True,
+        summary="global header trained by the server on uploaded class prototypes",
+    ),
+)

@@ -1,0 +1,114 @@
+"""FedProto: Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients"
+(AAAI 2022; arXiv 2105.00243).
+
+Clients share class prototypes (mean representations) instead of weights; each client's
+representation of a sample is pulled towards the federation's prototype of its label:
+
+    loss = CE(f(x), y) + lambda * MSE(features(x), P[y])
+
+`MSE` is a mean over the batch and the feature dimensions, as `nn.MSELoss` in the official code
+(classes without a global prototype contribute zero, see `protos.masked_class_mse`). Prototypes
+are compared across architectures, so every model must have the same feature size.
+
+Shares: per-class mean features and per-class counts up (`C x (D + 1)` floats); the global
+prototypes down.
+Keeps local: the whole model (the personalized model is scored by its own head).
+Server: per-class average of the client prototypes, weighted by their class counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms import protos
+from rayfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Payload,
+    Reply,
+    Server,
+    ServerContext,
+    Trainer,
+)
+from rayfl.errors import require
+from rayfl.models import build_model
+from rayfl.registry import ALGORITHMS
+
+
+@dataclass(frozen=True)
+class FedProtoParams:
+    lam: float = 1.0  # weight of the prototype distance (the paper's lambda; official default 1)
+
+    def __post_init__(self) -> None:
+        require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
+
+
+class FedProtoClient(Client):
+    def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.persistent = {"model": self.model}
+        self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
+        self.global_counts = torch.zeros(ctx.num_classes)
+        self.stats: Payload = {}
+
+    def receive(self, payload: Payload) -> None:
+        self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        features = self.model.features(x)
+        loss = F.cross_entropy(self.model.head(features), y)
+        if self.params.lam > 0:
+            loss = loss + self.params.lam * protos.masked_class_mse(
+                features, y, self.global_protos, self.global_counts
+            )
+        return loss
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        metrics = trainer.run(self.training_step, [self.model])
+        self.model.eval()
+        self.stats = protos.class_means(self.model.features, trainer.batches("train"), self.ctx.num_classes)
+        return metrics
+
+    def upload(self) -> Payload:
+        return self.stats
+
+
+class FedProtoServer(Server):
+    def __init__(self, ctx: ServerContext, params: FedProtoParams) -> None:
+        super().__init__(ctx, params)
+        dim = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes).feature_dim
+        self.table = protos.empty_class_stats(ctx.num_classes, dim)
+
+    def broadcast(self, arch: str) -> Payload:
+        return dict(self.table)
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        self.table = protos.aggregate_class_means([r.payload for r in replies])
+        return {"fedproto/classes_known": float(np.count_nonzero(self.table["counts"]))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table": dict(self.table)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.table = {k: np.array(v) for k, v in state["table"].items()}
+
+
+ALGORITHMS.add(
+    "fedproto",
+    Algorithm(
+        "fedproto",
+        FedProtoParams,
+        FedProtoClient,
+        FedProtoServer,
+        needs_common_feature_dim=True,
+        summary="federated prototype learning (per-class mean features)",
+    ),
+)

@@ -1,0 +1,200 @@
+"""HeteroFL: Diao et al., "HeteroFL: Computation and Communication Efficient Federated Learning
+for Heterogeneous Clients" (ICLR 2021).
+
+Every client model is a width-scaled slice of one global model (family `resnet_widths`): a client
+of width rate r holds the leading `round(c * r)` channels of every layer. Clients train their
+slice with cross-entropy, using static batch norm (batch statistics, no running buffers) and the
+scaler (activations divided by r in training) so that all widths stay comparable.
+
+Shares: the client's slice of the global model (down), the trained slice (up).
+Keeps local: nothing; the slice arrives fresh every round.
+Server: every entry of the global model becomes the average over the clients whose slice holds
+it (`weighting=uniform`, the paper's `1/M sum W_m`, or by sample count); entries nobody holds
+keep their value. The official code's label-masked classifier is not implemented.
+
+`rayfl.algorithms.fedfd` builds on this module: same clients and aggregation, plus server-side
+ensemble distillation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Payload,
+    Reply,
+    Server,
+    ServerContext,
+    Trainer,
+    load_numpy,
+    to_numpy,
+)
+from rayfl.errors import ConfigError, require
+from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
+from rayfl.models.zoo import ResNet18, resnet_width
+from rayfl.registry import ALGORITHMS
+
+__all__ = [
+    "HeteroFLClient",
+    "HeteroFLParams",
+    "HeteroFLServer",
+    "build_width_model",
+    "entry_weights",
+]
+
+
+def _is_width_arch(arch: str) -> bool:
+    try:
+        resnet_width(arch)
+    except ConfigError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class HeteroFLParams:
+    """HeteroFL hyperparameters.
+
+    Attributes:
+        global_arch: the server's model; every client architecture must be a width-scaled
+            ResNet-18 no wider than it (`resnet18` is width 1.0).
+        static_bn: batch norm without running statistics (HeteroFL's static BN).
+        scaler: divide activations by the width rate during training (HeteroFL's scaler).
+        weighting: per-entry average over the clients holding the entry, `uniform` (the
+            paper) or weighted by each client's sample count (`samples`).
+    """
+
+    global_arch: str = "resnet18"
+    static_bn: bool = True
+    scaler: bool = True
+    weighting: Literal["uniform", "samples"] = "uniform"
+
+    def __post_init__(self) -> None:
+        require(
+            _is_width_arch(self.global_arch),
+            "algorithm.global_arch",
+            f"{self.global_arch!r} is not a width-scaled ResNet-18; use resnet18 or resnet18_w1..w10",
+        )
+
+
+def build_width_model(
+    arch: str, in_shape: Sequence[int], num_classes: int, params: HeteroFLParams
+) -> ResNet18:
+    """The width-scaled ResNet-18 named `arch`, with HeteroFL's static BN and scaler per `params`.
+
+    Raises:
+        ConfigError: `arch` is not in the `resnet_widths` family or the input is not an image.
+    """
+    if not _is_width_arch(arch):
+        raise ConfigError(
+            f"model {arch!r}: width-sliced algorithms (heterofl, fedfd, feddf) need width-scaled "
+            "ResNet-18 clients; use model.family=resnet_widths or model.architectures=[resnet18_w1, ...]"
+        )
+    if len(in_shape) != 3:
+        raise ConfigError(
+            f"model {arch!r} needs image inputs (C, H, W), got in_shape {tuple(in_shape)}; pick an image dataset"
+        )
+    return ResNet18(
+        int(in_shape[0]),
+        int(num_classes),
+        resnet_width(arch),
+        static_bn=params.static_bn,
+        scaler=params.scaler,
+    )
+
+
+def _meta_model(arch: str, ctx: ServerContext, params: HeteroFLParams) -> ResNet18:
+    # Shapes and feature sizes only: the meta device allocates nothing and draws no random numbers.
+    with torch.device("meta"):
+        return build_width_model(arch, ctx.in_shape, ctx.num_classes, params)
+
+
+def entry_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
+    """One aggregation weight per reply: 1 each (`uniform`) or its sample count (`samples`)."""
+    if weighting == "samples":
+        return [float(r.num_samples) for r in replies]
+    return [1.0] * len(replies)
+
+
+def _as_tensors(payload: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    # np.array copies: payloads from Ray's object store are read-only.
+    return {k: torch.from_numpy(np.array(v)) for k, v in payload.items()}
+
+
+class HeteroFLClient(Client):
+    """Trains the received width slice of the global model with cross-entropy."""
+
+    def __init__(self, ctx: ClientContext, params: HeteroFLParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_width_model(ctx.arch, ctx.in_shape, ctx.num_classes, params)
+        # The whole model is overwritten by the broadcast every round: no per-client state to store.
+        self.persistent = {}
+
+    def receive(self, payload: Payload) -> None:
+        load_numpy(self.model, payload)
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        return trainer.run(self.training_step, [self.model])
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y)
+
+    def upload(self) -> Payload:
+        return to_numpy(self.model.state_dict())
+
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+
+class HeteroFLServer(Server):
+    """Holds the global model, slices it per width level and averages every entry over its holders."""
+
+    def __init__(self, ctx: ServerContext, params: HeteroFLParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_width_model(params.global_arch, ctx.in_shape, ctx.num_classes, params).to(ctx.device)
+        global_width = resnet_width(params.global_arch)
+        self.shapes: dict[str, dict[str, torch.Size]] = {}
+        self.feature_dims: dict[str, int] = {}
+        for arch in ctx.architectures:
+            meta = _meta_model(arch, ctx, params)
+            if meta.width > global_width:
+                raise ConfigError(
+                    f"client model {arch!r} (width {meta.width:g}) is wider than algorithm.global_arch="
+                    f"{params.global_arch} (width {global_width:g}); use a wider global_arch (e.g. resnet18)"
+                )
+            self.shapes[arch] = state_shapes(meta.state_dict())
+            self.feature_dims[arch] = meta.feature_dim
+
+    def broadcast(self, arch: str) -> Payload:
+        return to_numpy(slice_state(self.model.state_dict(), self.shapes[arch]))
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        subs = [_as_tensors(r.payload) for r in replies]
+        state = aggregate_sliced(self.model.state_dict(), subs, entry_weights(replies, self.params.weighting))
+        self.model.load_state_dict(state)
+        return {}
+
+    def eval_models(self) -> dict[str, nn.Module]:
+        return {"global": self.model}
+
+
+ALGORITHMS.add(
+    "heterofl",
+    Algorithm(
+        "heterofl",
+        HeteroFLParams,
+        HeteroFLClient,
+        HeteroFLServer,
+        summary="width-sliced sub-models of one global model, per-entry averaging",
+    ),
+)

@@ -1,0 +1,88 @@
+"""LG-FedAvg: Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
+Representations" (NeurIPS 2019 workshop; arXiv 2001.01523).
+
+Each client learns its own representation (any architecture) and the federation learns one
+global head on top of it; this needs every architecture to emit features of one size.
+
+Shares: the head (`model.head`, a linear map feature_dim -> classes), both ways.
+Keeps local: the feature extractor (`model.encoder`); the personalized model is the extractor
+with the head as fine-tuned this round.
+Server: sample-weighted average of the client heads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms import functional as fn
+from rayfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    NoParams,
+    Payload,
+    Reply,
+    Server,
+    ServerContext,
+    load_numpy,
+    to_numpy,
+)
+from rayfl.models import build_model
+from rayfl.registry import ALGORITHMS
+
+
+class LGFedAvgClient(Client):
+    def __init__(self, ctx: ClientContext, params: NoParams) -> None:
+        super().__init__(ctx, params)
+        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.persistent = {"model": self.model}
+
+    def receive(self, payload: Payload) -> None:
+        # The global head replaces the local one; the private extractor is left as it was.
+        load_numpy(self.model.head, payload)
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y)
+
+    def upload(self) -> Payload:
+        return to_numpy(self.model.head.state_dict())
+
+
+class LGFedAvgServer(Server):
+    def __init__(self, ctx: ServerContext, params: NoParams) -> None:
+        super().__init__(ctx, params)
+        # Any architecture's head has the shape every client's has (needs_common_feature_dim).
+        model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
+        self.head = copy.deepcopy(model.head).to(ctx.device)
+
+    def broadcast(self, arch: str) -> Payload:
+        return to_numpy(self.head.state_dict())
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        avg = fn.weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
+        load_numpy(self.head, avg)
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"head": to_numpy(self.head.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_numpy(self.head, state["head"])
+
+
+ALGORITHMS.add(
+    "lg_fedavg",
+    Algorithm(
+        "lg_fedavg",
+        NoParams,
+        LGFedAvgClient,
+        LGFedAvgServer,
+        needs_common_feature_dim=True,
+        summary="global head averaged over private feature extractors",
+    ),
+)

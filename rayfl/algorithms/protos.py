@@ -1,0 +1,115 @@
+"""Per-class statistics shared between heterogeneous models: prototypes and class logits.
+
+FedProto and FedGH share per-class mean representations (prototypes), FD shares per-class mean
+logits. Both travel as the same payload, `{"means": (C, D) float32, "counts": (C,) float32}`,
+where `counts[c]` is the number of samples behind `means[c]` (0: the class was not seen and its
+row is zero). Every helper here is pure and has a golden-number test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms.base import Batch, Payload
+
+
+def class_sums(values: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of the rows of `values` `(B, D)` and the per-class counts `(C,)`."""
+    sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
+    sums.index_add_(0, labels, values)
+    counts = torch.bincount(labels, minlength=num_classes).to(values.dtype)
+    return sums, counts
+
+
+@torch.no_grad()
+def class_means(
+    fn: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[Batch], num_classes: int
+) -> Payload:
+    """Per-class means of `fn(x)` over `batches`, as a class-statistics payload.
+
+    Args:
+        fn: maps a batch of inputs to `(B, D)` values (features for prototypes, logits for FD).
+        batches: `(x, y)` batches, e.g. a client's training split.
+        num_classes: number of classes `C`.
+
+    Returns:
+        `{"means": (C, D) float32, "counts": (C,) float32}`; unseen classes have a zero row.
+    """
+    sums: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    for x, y in batches:
+        s, c = class_sums(fn(x).float(), y, num_classes)
+        sums = s if sums is None else sums + s
+        counts = c if counts is None else counts + c
+    if sums is None or counts is None:
+        raise ValueError("class_means needs at least one batch")
+    means = sums / counts.clamp(min=1.0).unsqueeze(1)
+    return {"means": means.cpu().numpy().astype(np.float32), "counts": counts.cpu().numpy().astype(np.float32)}
+
+
+def empty_class_stats(num_classes: int, dim: int) -> Payload:
+    """A class-statistics payload with no class seen yet (what goes down before round one)."""
+    return {
+        "means": np.zeros((num_classes, dim), dtype=np.float32),
+        "counts": np.zeros(num_classes, dtype=np.float32),
+    }
+
+
+def aggregate_class_means(stats: Sequence[Mapping[str, np.ndarray]]) -> Payload:
+    """Count-weighted per-class average of class-statistics payloads.
+
+    `means[c] = sum_k n_kc * m_kc / sum_k n_kc`, i.e. the mean of class c over every sample of
+    every client; classes no client saw stay zero with count 0.
+    """
+    if not stats:
+        raise ValueError("nothing to aggregate")
+    sums = np.zeros(stats[0]["means"].shape, dtype=np.float64)
+    counts = np.zeros(stats[0]["counts"].shape, dtype=np.float64)
+    for s in stats:
+        n = np.asarray(s["counts"], dtype=np.float64)
+        sums += n[:, None] * np.asarray(s["means"], dtype=np.float64)
+        counts += n
+    means = sums / np.maximum(counts, 1.0)[:, None]
+    return {"means": means.astype(np.float32), "counts": counts.astype(np.float32)}
+
+
+def stats_tensors(stats: Mapping[str, np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(means, counts)` of a class-statistics payload as tensors on `device`."""
+    means = torch.as_tensor(np.array(stats["means"]), dtype=torch.float32, device=device)
+    counts = torch.as_tensor(np.array(stats["counts"]), dtype=torch.float32, device=device)
+    return means, counts
+
+
+def masked_class_mse(
+    values: torch.Tensor, labels: torch.Tensor, table: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Mean squared distance of each row of `values` to its class's row of `table`.
+
+    Rows whose class has no entry (`counts[y] == 0`) contribute zero but still count in the mean,
+    as in the official FedProto code (`MSELoss(proto_new, rep)` with unknown rows copied from
+    `rep`), so the loss scale does not jump when a class first appears.
+    """
+    known = (counts[labels] > 0).unsqueeze(1).to(values.dtype)
+    target = table[labels].to(values.dtype)
+    return F.mse_loss(values * known, target * known)
+
+
+def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every (prototype, class) pair of the uploaded class statistics, clients in order.
+
+    Returns:
+        `(protos (P, D) float32, labels (P,) int64)` for each client's classes with count > 0.
+    """
+    protos: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    for s in stats:
+        seen = np.flatnonzero(np.asarray(s["counts"]) > 0)
+        protos.append(np.asarray(s["means"], dtype=np.float32)[seen])
+        labels.append(seen.astype(np.int64))
+    if not protos:
+        return np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int64)
+    return np.concatenate(protos), np.concatenate(labels)

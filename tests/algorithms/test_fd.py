@@ -1,0 +1,53 @@
+"""FD: per-class mean logits up, count-weighted class averages down, CE + gamma * distance."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.fd import FDClient, FDParams, FDServer
+from rayfl.config import build_config
+from rayfl.engine.loop import Simulation
+from rayfl.registry import ALGORITHMS
+
+SHAPE = (1, 8, 8)
+CPU = torch.device("cpu")
+
+
+def test_server_averages_class_logits_by_count_golden():
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    server = FDServer(sctx, FDParams())
+    assert not server.broadcast("tiny_a")["counts"].any()  # nothing known before round one
+    a = {"means": np.array([[1.0, 0.0], [0.0, 0.0]], np.float32), "counts": np.array([1.0, 0.0], np.float32)}
+    b = {"means": np.array([[3.0, 2.0], [0.0, 6.0]], np.float32), "counts": np.array([3.0, 2.0], np.float32)}
+    metrics = server.aggregate([Reply(0, "tiny_a", 5, a), Reply(1, "tiny_a", 5, b)], 1)
+    down = server.broadcast("tiny_a")
+    np.testing.assert_allclose(down["means"], [[2.5, 1.5], [0.0, 6.0]])
+    np.testing.assert_array_equal(down["counts"], [4.0, 2.0])
+    assert metrics["fd/classes_known"] == 2.0
+
+
+def test_client_loss_is_ce_plus_gamma_times_distance_to_class_logits():
+    torch.manual_seed(0)
+    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FDParams(gamma=0.5))
+    table = np.array([[1.0, -1.0], [0.0, 0.0]], np.float32)
+    client.receive({"means": table, "counts": np.array([3.0, 0.0], np.float32)})  # class 1 unknown
+    x, y = torch.randn(2, *SHAPE), torch.tensor([0, 1])
+    logits = client.model(x)
+    # only the class-0 sample has a target: sum of its squared errors over 2 samples x 2 logits
+    dist = ((logits[0] - torch.tensor([1.0, -1.0])) ** 2).sum() / 4
+    expected = F.cross_entropy(logits, y) + 0.5 * dist
+    assert client.training_step(x, y).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_runs_without_a_common_feature_size(synthetic_raw, tmp_path):
+    assert not ALGORITHMS.get("fd").needs_common_feature_dim
+    raw = synthetic_raw
+    raw["algorithm"] = {"name": "fd", "gamma": 1.0}
+    raw["model"] = {"architectures": ["tiny_a", "mlp"]}  # feature sizes 16 and 128
+    result = Simulation(build_config(raw), tmp_path).run()
+    final = result.final
+    assert np.isfinite(final["personal/acc"]) and final["fd/classes_known"] == 10.0
+    # every client uploads C x C means + C counts as float32
+    assert final["comm/bytes_up"] == 6 * (10 * 10 + 10) * 4

@@ -1,0 +1,96 @@
+"""FedKD: adaptive mutual distillation golden numbers; SVD compression of updates."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings, payload_nbytes
+from rayfl.algorithms.fedkd import (
+    FedKDClient,
+    FedKDParams,
+    FedKDServer,
+    adaptive_losses,
+    energy_rank,
+    svd_compress,
+    svd_decompress,
+)
+from rayfl.errors import ConfigError
+
+SHAPE = (1, 8, 8)
+CPU = torch.device("cpu")
+
+
+def test_adaptive_losses_golden():
+    # mentor p = (1/2, 1/2), mentee q = (3/4, 1/4), label 0
+    mentor = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    mentee = torch.tensor([[math.log(3.0), 0.0]], requires_grad=True)
+    ce_t, ce_s = math.log(2), -math.log(0.75)
+    kl_q_p = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    kl_p_q = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(2.0)
+    lt, ls = adaptive_losses(mentor, mentee, torch.tensor([0]), T=1.0)
+    assert lt.item() == pytest.approx(ce_t + kl_q_p / (ce_t + ce_s), rel=1e-6)  # 0.826516
+    assert ls.item() == pytest.approx(ce_s + kl_p_q / (ce_t + ce_s), rel=1e-6)  # 0.434335
+    assert lt.item() == pytest.approx(0.826516, abs=1e-5)
+    lt.backward()
+    assert mentee.grad is None  # the mentor's loss does not move the mentee
+
+
+def test_energy_rank_golden():
+    s = np.array([4.0, 3.0, 0.0, 0.0])  # squared energies 16/25 = 0.64, then 1.0
+    assert energy_rank(s, 0.5) == 1
+    assert energy_rank(s, 0.64) == 1
+    assert energy_rank(s, 0.9) == 2
+    assert energy_rank(s, 1.0) == 2
+    assert energy_rank(np.zeros(3), 0.9) == 1
+
+
+def test_svd_compress_golden_and_dense_fallbacks():
+    w = np.diag([4.0, 3.0, 0.0, 0.0]).astype(np.float32)
+    update = {"w": w, "b": np.ones(4, np.float32), "small": np.eye(2, dtype=np.float32)}
+    low = svd_compress(update, 0.6)
+    assert set(low) == {"w::u", "w::s", "w::vh", "b", "small"}  # 1-D and tiny entries stay dense
+    assert low["w::s"].tolist() == [4.0]
+    back = svd_decompress(low)
+    np.testing.assert_allclose(back["w"], np.diag([4.0, 0.0, 0.0, 0.0]), atol=1e-6)
+    np.testing.assert_array_equal(back["b"], update["b"])
+    assert payload_nbytes(low) < payload_nbytes(update)
+    exact = svd_decompress(svd_compress(update, 0.9))
+    np.testing.assert_allclose(exact["w"], w, atol=1e-6)
+
+
+def test_svd_round_trip_of_a_conv_shaped_low_rank_update():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(8, 1)), rng.normal(size=(1, 4 * 3 * 3))
+    conv = (a @ b).reshape(8, 4, 3, 3).astype(np.float32)  # rank one
+    packed = svd_compress({"conv": conv}, 0.99)
+    assert packed["conv::u"].shape == (8, 1) and packed["conv::vh"].shape == (1, 4, 3, 3)
+    np.testing.assert_allclose(svd_decompress(packed)["conv"], conv, atol=1e-5)
+
+
+def test_server_adds_the_averaged_updates():
+    params = FedKDParams(mentee="tiny_a", svd_energy=0.99)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    server = FedKDServer(sctx, params)
+    start = server.broadcast("tiny_b")
+    ones = {k: np.ones_like(v) for k, v in start.items()}
+    threes = {k: 3 * np.ones_like(v) for k, v in start.items()}
+    server.aggregate([Reply(0, "tiny_b", 1, svd_compress(ones, 0.99)), Reply(1, "tiny_b", 1, threes)], 1)
+    after = server.broadcast("tiny_b")
+    for k in start:
+        np.testing.assert_allclose(after[k], start[k] + 2.0, rtol=1e-5, atol=1e-5)
+
+
+def test_client_uploads_its_mentee_update():
+    torch.manual_seed(0)
+    params = FedKDParams(mentee="tiny_a")
+    client = FedKDClient(ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings()), params)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 1)
+    client.receive(FedKDServer(sctx, params).broadcast("tiny_b"))
+    assert all(not v.any() for v in client.upload().values())  # nothing trained yet: zero update
+    with torch.no_grad():
+        client.mentee.head.bias += 1.0
+    np.testing.assert_allclose(client.upload()["head.bias"], 1.0)
+    with pytest.raises(ConfigError, match="algorithm.svd_energy"):
+        FedKDParams(svd_energy=1.5)

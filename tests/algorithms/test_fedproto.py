@@ -1,0 +1,64 @@
+"""FedProto: class prototypes of the features up, count-weighted prototypes down, CE + lambda * MSE."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams, FedProtoServer
+from rayfl.config import build_config
+from rayfl.engine.loop import Simulation
+from rayfl.errors import ConfigError
+from rayfl.registry import ALGORITHMS
+
+SHAPE = (1, 8, 8)
+CPU = torch.device("cpu")
+
+
+def test_loss_golden_with_hand_set_features():
+    client = FedProtoClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FedProtoParams(lam=2.0))
+    with torch.no_grad():  # features = relu(x_flat[:16]), head = zero map
+        client.model.encoder[1].weight.copy_(torch.eye(16, 64))
+        client.model.encoder[1].bias.zero_()
+        client.model.head.weight.zero_()
+        client.model.head.bias.zero_()
+    protos = np.zeros((2, 16), np.float32)
+    protos[0, 0] = 1.0
+    client.receive({"means": protos, "counts": np.array([1.0, 1.0], np.float32)})
+    x = torch.zeros(2, *SHAPE)
+    x[0, 0, 0, 0] = 3.0  # sample 0 (class 0): feature [3, 0, ...] vs prototype [1, 0, ...]
+    y = torch.tensor([0, 1])  # sample 1 (class 1): all-zero feature, all-zero prototype
+    # CE of zero logits = ln 2; MSE = (3 - 1)^2 / (2 * 16)
+    expected = np.log(2) + 2.0 * 4.0 / 32.0
+    assert client.training_step(x, y).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_server_prototypes_are_count_weighted():
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    server = FedProtoServer(sctx, FedProtoParams())
+    assert server.broadcast("tiny_a")["means"].shape == (2, 16)
+    a = {"means": np.full((2, 16), 1.0, np.float32), "counts": np.array([1.0, 1.0], np.float32)}
+    b = {"means": np.full((2, 16), 4.0, np.float32), "counts": np.array([2.0, 0.0], np.float32)}
+    server.aggregate([Reply(0, "tiny_a", 2, a), Reply(1, "tiny_a", 2, b)], 1)
+    down = server.broadcast("tiny_a")
+    np.testing.assert_allclose(down["means"][0], 3.0)  # (1 * 1 + 2 * 4) / 3
+    np.testing.assert_allclose(down["means"][1], 1.0)
+
+
+def test_uploads_are_prototypes_of_the_trained_model(synthetic_raw, tmp_path):
+    raw = synthetic_raw
+    raw["algorithm"] = {"name": "fedproto", "lam": 1.0}
+    result = Simulation(build_config(raw), tmp_path).run()
+    assert result.final["fedproto/classes_known"] == 10.0
+    assert result.final["comm/bytes_up"] == 6 * (10 * 16 + 10) * 4
+    assert np.isfinite(result.final["personal/acc"])
+
+
+def test_refuses_models_without_a_common_feature_size(synthetic_raw, tmp_path):
+    assert ALGORITHMS.get("fedproto").needs_common_feature_dim
+    raw = synthetic_raw
+    raw["algorithm"] = {"name": "fedproto"}
+    raw["model"] = {"architectures": ["tiny_a", "mlp"]}
+    with pytest.raises(ConfigError, match="feature size"):
+        Simulation(build_config(raw), tmp_path)

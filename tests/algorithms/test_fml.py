@@ -1,0 +1,63 @@
+"""FML: golden numbers of the mutual-learning losses; each loss moves only its own model."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses
+from rayfl.errors import ConfigError
+
+SHAPE = (1, 8, 8)
+CPU = torch.device("cpu")
+
+
+def test_mutual_losses_golden():
+    # private p = (1/2, 1/2); meme q = (3/4, 1/4); label 0.
+    private = torch.tensor([[0.0, 0.0]])
+    meme = torch.tensor([[math.log(3.0), 0.0]])
+    y = torch.tensor([0])
+    ce_p, ce_m = math.log(2), -math.log(0.75)
+    kl_q_p = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)  # KL(meme || private) = 0.130812
+    kl_p_q = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(2.0)  # KL(private || meme) = 0.143841
+    lp, lm = mutual_losses(private, meme, y, FMLParams(alpha=0.5, beta=0.25))
+    assert lp.item() == pytest.approx(0.5 * ce_p + 0.5 * kl_q_p, rel=1e-6)
+    assert lm.item() == pytest.approx(0.25 * ce_m + 0.75 * kl_p_q, rel=1e-6)
+    assert lp.item() == pytest.approx(0.411980, abs=1e-6)
+
+
+def test_each_loss_trains_only_its_own_model():
+    private = torch.tensor([[0.3, -0.2]], requires_grad=True)
+    meme = torch.tensor([[1.0, 0.5]], requires_grad=True)
+    lp, _ = mutual_losses(private, meme, torch.tensor([1]), FMLParams())
+    lp.backward()
+    assert private.grad is not None and private.grad.abs().sum() > 0
+    assert meme.grad is None
+
+
+def test_client_shares_the_meme_and_server_averages_it():
+    torch.manual_seed(0)
+    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
+    params = FMLParams(meme="tiny_a")
+    client = FMLClient(ctx, params)
+    assert set(client.persistent) == {"model"}
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    server = FMLServer(sctx, params)
+    down = server.broadcast("tiny_b")
+    client.receive(down)
+    up = client.upload()
+    assert set(up) == set(down)
+    doubled = {k: 2 * v for k, v in up.items()}
+    server.aggregate([Reply(0, "tiny_b", 1, up), Reply(1, "tiny_b", 3, doubled)], 1)
+    # (1 * w + 3 * 2w) / 4 = 1.75 w
+    np.testing.assert_allclose(server.broadcast("tiny_b")["head.weight"], 1.75 * up["head.weight"], rtol=1e-6)
+    assert "meme" in server.eval_models()
+
+
+def test_meme_must_be_a_classifier():
+    with pytest.raises(ConfigError, match="algorithm.meme"):
+        FMLParams(meme="proxy_input")
+    with pytest.raises(ConfigError, match="algorithm.alpha"):
+        FMLParams(alpha=1.5)

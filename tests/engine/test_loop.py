@@ -1,0 +1,144 @@
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from rayfl.config import build_config
+from rayfl.engine.callbacks import RunDirectory
+from rayfl.engine.checkpoint import Checkpoint
+from rayfl.engine.loop import Simulation, summarize_clients
+from rayfl.engine.sampling import sample_clients
+
+
+def run(raw, overrides=(), tmp_path=None, callbacks=()):
+    cfg = build_config(raw, list(overrides))
+    sim = Simulation(cfg, tmp_path or "/tmp/unused", list(callbacks))
+    return sim.run()
+
+
+def test_sampling_is_seeded_and_sorted():
+    a = sample_clients(0, 3, 100, 10)
+    assert a == sample_clients(0, 3, 100, 10)
+    assert a != sample_clients(0, 4, 100, 10)
+    assert a == sorted(a) and len(set(a)) == 10
+    assert sample_clients(0, 1, 5, 5) == [0, 1, 2, 3, 4]
+
+
+def test_summarize_clients_golden():
+    rows = [
+        {
+            "client": 0,
+            "arch": "a",
+            "acc": 1.0,
+            "num_test": 10.0,
+            "num_train": 40,
+            "train_s": 1.0,
+            "train/loss": 1.0,
+        },
+        {
+            "client": 1,
+            "arch": "b",
+            "acc": 0.5,
+            "num_test": 30.0,
+            "num_train": 60,
+            "train_s": 2.0,
+            "train/loss": 2.0,
+        },
+    ]
+    out = summarize_clients(rows)
+    assert out["personal/acc"] == pytest.approx(0.625)
+    assert out["personal/acc_mean"] == pytest.approx(0.75)
+    assert out["personal/acc_std"] == pytest.approx(0.25)
+    assert out["personal/acc_worst10"] == pytest.approx(0.5)
+    assert out["personal/acc/arch=a"] == 1.0 and out["personal/acc/arch=b"] == 0.5
+    assert out["train/loss"] == pytest.approx(1.6)
+
+
+def test_serial_run_metrics(synthetic_raw, tmp_path):
+    result = run(
+        synthetic_raw,
+        ["engine.rounds=3", "engine.fraction=0.5"],
+        tmp_path,
+        [RunDirectory(tmp_path)],
+    )
+    assert [r["round"] for r in result.history] == [1, 2, 3]
+    last = result.history[-1]
+    for key in (
+        "personal/acc",
+        "personal/acc/arch=tiny_a",
+        "personal/acc/arch=tiny_b",
+        "proxy/acc",
+        "pfedes/kl_local_proxy",
+        "comm/bytes_up",
+        "comm/bytes_down",
+        "comm/bytes_up_total",
+        "time/round_s",
+    ):
+        assert key in last and np.isfinite(last[key]), key
+    assert last["clients"] == 3
+    # the proxy travels both ways: same bytes up and down per client
+    assert last["comm/bytes_up"] == last["comm/bytes_down"] > 0
+    assert last["comm/bytes_up_total"] == pytest.approx(
+        sum(r["comm/bytes_up"] for r in result.history)
+    )
+    table = pq.read_table(tmp_path / "metrics.parquet").to_pylist()
+    assert len(table) == 3 and table[-1]["personal/acc"] == last["personal/acc"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final"]["personal/acc"] == last["personal/acc"] and summary["seed"] == 0
+    for name in (
+        "partition.parquet",
+        "class_counts.parquet",
+        "label_distribution.png",
+        "learning_curves.png",
+        "per_architecture.png",
+        "config.yaml",
+    ):
+        assert (tmp_path / name).exists(), name
+
+
+def test_same_seed_same_numbers_other_seed_differs(synthetic_raw):
+    a = run(synthetic_raw).history
+    b = run(synthetic_raw).history
+    c = run(synthetic_raw, ["seed=1"]).history
+    key = "personal/acc"
+    assert [r[key] for r in a] == [r[key] for r in b]
+    assert [r["train/loss"] for r in a] != [r["train/loss"] for r in c]
+
+
+def test_learning_happens_on_synthetic_data(synthetic_raw):
+    hist = run(
+        synthetic_raw, ["engine.rounds=4", "algorithm.name=local", "train.local_epochs=3"]
+    ).history
+    assert hist[-1]["personal/acc"] > 0.6  # 10 classes: chance is 0.1
+
+
+def test_checkpoint_resume_gives_the_uninterrupted_numbers(synthetic_raw, tmp_path):
+    full = run(synthetic_raw, ["engine.rounds=4"]).history
+    cfg = build_config(synthetic_raw, ["engine.rounds=2", "engine.checkpoint_every=1"])
+    Simulation(cfg, tmp_path, [Checkpoint(tmp_path, 1)]).run()
+    cfg4 = build_config(synthetic_raw, ["engine.rounds=4", "engine.checkpoint_every=1"])
+    resumed = Simulation(cfg4, tmp_path, [Checkpoint(tmp_path, 1, resume=True)]).run().history
+    assert [r["round"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        assert a["personal/acc"] == b["personal/acc"]
+        assert a["proxy/acc"] == b["proxy/acc"]
+
+
+@pytest.mark.parametrize("name", ["local", "fedavg", "pfedes"])
+def test_core_algorithms_run(synthetic_raw, name):
+    overrides = [f"algorithm.name={name}"]
+    if name == "fedavg":
+        overrides.append("model.architectures=[tiny_a]")
+    hist = run(synthetic_raw, overrides).history
+    assert np.isfinite(hist[-1]["personal/acc"])
+    if name == "fedavg":
+        assert "global/acc" in hist[-1]
+
+
+def test_input_variant_runs(synthetic_raw):
+    raw = dict(synthetic_raw)
+    raw["algorithm"] = {"name": "pfedes", "variant": "input", "proxy_epochs": 1}
+    raw["model"] = {"family": "seed3"}
+    hist = run(raw).history
+    assert np.isfinite(hist[-1]["personal/acc"]) and "proxy/acc" not in hist[-1]

@@ -1,0 +1,113 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rayfl.config import build_config, load_config, to_dict
+from rayfl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_and_types(synthetic_raw):
+    cfg = build_config(
+        synthetic_raw,
+        ["engine.rounds=5", "algorithm.alpha=0.3", "seed=1", "model.proportions=[0.5, 0.5]"],
+    )
+    assert cfg.engine.rounds == 5
+    assert cfg.algorithm.params.alpha == 0.3
+    assert cfg.seed == 1
+    assert cfg.model.proportions == (0.5, 0.5)
+    assert to_dict(cfg)["algorithm"]["name"] == "pfedes"
+
+
+def test_config_is_frozen(synthetic_raw):
+    cfg = build_config(synthetic_raw)
+    with pytest.raises(AttributeError):
+        cfg.seed = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("engine.roundz=3", "unknown key engine.roundz (did you mean 'rounds'?)"),
+        ("engine.rounds=abc", "engine.rounds: expected an integer"),
+        ("algorithm.alpha=-1", "algorithm.alpha: must be >= 0"),
+        ("engine.fraction=1.5", "engine.fraction: must be in (0, 1]"),
+        ("engine.fraction=0", "engine.fraction: must be in (0, 1]"),
+        (
+            "engine.clients_per_round=50",
+            "engine.clients_per_round: 50 sampled clients but only 6 exist",
+        ),
+        ("algorithm.name=pfedez", "unknown algorithm 'pfedez' (did you mean 'pfedes'?)"),
+        ("algorithm.temperature=3", "unknown key algorithm.temperature"),
+        ("engine.executor=dask", "engine.executor: 'dask' is not allowed"),
+        ("data.dataset=cifar11", "unknown dataset 'cifar11'"),
+        ("engine.worker_resources.num_gpus=1.5", "fractions above 1 must be whole numbers"),
+    ],
+)
+def test_bad_values_name_the_key(synthetic_raw, override, needle):
+    with pytest.raises(ConfigError) as info:
+        build_config(synthetic_raw, [override])
+    assert needle in str(info.value)
+
+
+def test_switching_algorithm_drops_the_files_other_settings(synthetic_raw):
+    cfg = build_config(synthetic_raw, ["algorithm.name=local"])
+    assert cfg.algorithm.name == "local"
+    with pytest.raises(ConfigError, match="unknown key algorithm.alpha for algorithm 'local'"):
+        build_config(synthetic_raw, ["algorithm.name=local", "algorithm.alpha=0.2"])
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["run", "experiments/pfedes_fmnist.yaml", "algorithm.alpha=-0.5"],
+            "algorithm.alpha: must be >= 0",
+        ),
+        (
+            ["run", "experiments/pfedes_fmnist.yaml", "model.family=seed4"],
+            "unknown model family 'seed4'",
+        ),
+        (
+            ["run", "experiments/pfedes_fmnist.yaml", "model.architectures=[cnn_small, cnn9]"],
+            "cnn9",
+        ),
+        (
+            ["run", "experiments/pfedes_fmnist.yaml", "algorithm.name=fedavg"],
+            "needs one architecture",
+        ),
+        (
+            ["validate", "experiments/pfedes_fmnist.yaml", "--set", "engine.fraction=2"],
+            "engine.fraction",
+        ),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(args, needle):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayfl.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_every_shipped_yaml_validates():
+    from rayfl.cli import validate_file
+
+    files = sorted((ROOT / "experiments").rglob("*.yaml"))
+    assert files
+    for path in files:
+        assert validate_file(path)
