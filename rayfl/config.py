@@ -345,17 +345,6 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check(cfg: RunConfig) -> None:
     """Cross-field checks that need no data: ranges and registry names."""
     from rayfl.registry import DATASETS, PARTITIONERS

@@ -66,7 +66,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class TuneSettings:
     """The `tune:` section of a sweep file."""
 
-    metric: str = "personal/acc"  # a per-round metric of the simulation (its last value ranks trials)
+    metric: str = (
+        "personal/acc"  # a per-round metric of the simulation (its last value ranks trials)
+    )
     mode: Literal["max", "min"] = "max"
     num_samples: int = 1  # repeats of the grid; each repeat draws the random distributions anew
     scheduler: Literal["asha"] | None = None  # asha: stop poor trials early, by round
@@ -156,7 +158,9 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section; check the key {key}")
+            raise ConfigError(
+                f"{'.'.join(parts[: i + 1])} is a value, not a section; check the key {key}"
+            )
         node = child
     node[parts[-1]] = value
 
@@ -185,9 +189,15 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, Any]
 
 def _resolve_base(base: Any, sweep_path: Path) -> Path:
     if not isinstance(base, str) or not base:
-        raise ConfigError(f"{sweep_path}: base: name the experiment file to sweep over (e.g. experiments/pfedes_fmnist.yaml)")
+        raise ConfigError(
+            f"{sweep_path}: base: name the experiment file to sweep over (e.g. experiments/pfedes_fmnist.yaml)"
+        )
     path = Path(base).expanduser()
-    candidates = [path] if path.is_absolute() else [sweep_path.parent / path, Path.cwd() / path, REPO_ROOT / path]
+    candidates = (
+        [path]
+        if path.is_absolute()
+        else [sweep_path.parent / path, Path.cwd() / path, REPO_ROOT / path]
+    )
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
@@ -201,12 +211,20 @@ def _check_spec(key: str, spec: Any) -> dict[str, Any]:
     """Check one space entry's shape; returns it as a plain `{kind: args}` dict."""
     where = f"space.{key}"
     if not isinstance(spec, Mapping) or len(spec) != 1:
-        raise ConfigError(f"{where}: write one distribution, e.g. {{grid: [1, 2]}} ({', '.join(SPEC_KINDS)})")
+        raise ConfigError(
+            f"{where}: write one distribution, e.g. {{grid: [1, 2]}} ({', '.join(SPEC_KINDS)})"
+        )
     kind, args = next(iter(spec.items()))
     if kind not in SPEC_KINDS:
-        raise ConfigError(f"{where}: unknown distribution {kind!r}{suggest(str(kind), SPEC_KINDS)}; choose one of {', '.join(SPEC_KINDS)}")
+        raise ConfigError(
+            f"{where}: unknown distribution {kind!r}{suggest(str(kind), SPEC_KINDS)}; choose one of {', '.join(SPEC_KINDS)}"
+        )
     if kind in ("grid", "choice"):
-        require(isinstance(args, list) and len(args) > 0, where, f"{kind} needs a non-empty list of values")
+        require(
+            isinstance(args, list) and len(args) > 0,
+            where,
+            f"{kind} needs a non-empty list of values",
+        )
     else:
         ok = (
             isinstance(args, list)
@@ -219,7 +237,9 @@ def _check_spec(key: str, spec: Any) -> dict[str, Any]:
         if kind == "loguniform":
             require(lo > 0, where, f"loguniform needs low > 0 (got {lo})")
         if kind == "randint":
-            require(isinstance(lo, int) and isinstance(hi, int), where, "randint needs integer bounds")
+            require(
+                isinstance(lo, int) and isinstance(hi, int), where, "randint needs integer bounds"
+            )
     return {str(kind): list(args)}
 
 
@@ -231,9 +251,10 @@ def _probe_values(spec: dict[str, Any]) -> list[Any]:
     lo, hi = args
     if kind == "randint":
         return [lo, hi]
-    # A draw between the bounds is almost never a whole number: an integer key such as
-    # algorithm.embed_dim refuses it here, not in the middle of the sweep.
-    return [lo, hi, lo + (hi - lo) / 3]
+    # Draws between the bounds are fractional: an integer key such as algorithm.embed_dim must
+    # refuse a fractional probe here, not in the middle of the sweep.
+    half = math.floor(lo) + 0.5
+    return [lo, hi, half if lo < half < hi else (lo + hi) / 2]
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
@@ -254,7 +275,9 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"sweep file {path} not found: check the path (examples live in experiments/sweeps/)")
+        raise ConfigError(
+            f"sweep file {path} not found: check the path (examples live in experiments/sweeps/)"
+        )
     try:
         doc = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -263,10 +286,14 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
         raise ConfigError(f"{path}: the top level must be a mapping (sweep, base, space, tune)")
     for key in doc:
         if key not in SWEEP_KEYS:
-            raise ConfigError(f"{path}: unknown key {key}{suggest(str(key), SWEEP_KEYS)}; valid keys: {', '.join(SWEEP_KEYS)}")
+            raise ConfigError(
+                f"{path}: unknown key {key}{suggest(str(key), SWEEP_KEYS)}; valid keys: {', '.join(SWEEP_KEYS)}"
+            )
     name = doc.get("sweep")
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
-        raise ConfigError(f"{path}: sweep: give the sweep a name of letters, digits, _ . - (got {name!r})")
+        raise ConfigError(
+            f"{path}: sweep: give the sweep a name of letters, digits, _ . - (got {name!r})"
+        )
     tune_ov, space_ov, base_ov = split_overrides(overrides)
 
     tune_raw = apply_overrides(dict(doc.get("tune") or {}), tune_ov)
@@ -275,13 +302,19 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
 
     file_overrides = doc.get("overrides") or []
     if not isinstance(file_overrides, list) or not all(isinstance(o, str) for o in file_overrides):
-        raise ConfigError(f"{path}: overrides: write a list of key=value strings (e.g. [engine.rounds=3])")
+        raise ConfigError(
+            f"{path}: overrides: write a list of key=value strings (e.g. [engine.rounds=3])"
+        )
     space_doc = doc.get("space") or {}
     if not isinstance(space_doc, Mapping):
-        raise ConfigError(f"{path}: space: map dotted config keys to distributions (e.g. algorithm.T: {{grid: [2, 4]}})")
+        raise ConfigError(
+            f"{path}: space: map dotted config keys to distributions (e.g. algorithm.T: {{grid: [2, 4]}})"
+        )
     space_raw = {**space_doc, **space_ov}
     if not space_raw:
-        raise ConfigError(f"{path}: space: is empty; sweep at least one key (e.g. algorithm.T: {{grid: [2, 4]}})")
+        raise ConfigError(
+            f"{path}: space: is empty; sweep at least one key (e.g. algorithm.T: {{grid: [2, 4]}})"
+        )
     space = {str(k): _check_spec(str(k), v) for k, v in space_raw.items()}
 
     base = _resolve_base(doc.get("base"), path)
@@ -319,9 +352,15 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
 def _check_settings(t: TuneSettings) -> None:
     require(bool(t.metric), "tune.metric", "name the metric that ranks trials (e.g. personal/acc)")
     require(t.num_samples >= 1, "tune.num_samples", f"must be at least 1 (got {t.num_samples})")
-    require(t.max_concurrent >= 1, "tune.max_concurrent", f"must be at least 1 (got {t.max_concurrent})")
-    require(t.grace_period >= 1, "tune.grace_period", f"must be at least 1 round (got {t.grace_period})")
-    require(t.reduction_factor > 1, "tune.reduction_factor", f"must be > 1 (got {t.reduction_factor})")
+    require(
+        t.max_concurrent >= 1, "tune.max_concurrent", f"must be at least 1 (got {t.max_concurrent})"
+    )
+    require(
+        t.grace_period >= 1, "tune.grace_period", f"must be at least 1 round (got {t.grace_period})"
+    )
+    require(
+        t.reduction_factor > 1, "tune.reduction_factor", f"must be > 1 (got {t.reduction_factor})"
+    )
     require(t.trial_cpus > 0, "tune.trial_cpus", f"must be > 0 (got {t.trial_cpus})")
     require(t.verbose in (0, 1, 2, 3), "tune.verbose", "must be 0, 1, 2 or 3")
 
@@ -392,7 +431,9 @@ def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
 def _trial_resources(sweep: Sweep, config: dict[str, Any]) -> Any:
     from ray import tune
 
-    return tune.PlacementGroupFactory(trial_bundles(sweep.config_for(config), sweep.tune.trial_cpus))
+    return tune.PlacementGroupFactory(
+        trial_bundles(sweep.config_for(config), sweep.tune.trial_cpus)
+    )
 
 
 def _check_fits(sweep: Sweep, strict: bool) -> None:
@@ -522,7 +563,9 @@ class ParentRun:
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
             except Exception as exc:
-                log.warning("cannot reopen MLflow parent run %s (%s); starting a new one", run_id, exc)
+                log.warning(
+                    "cannot reopen MLflow parent run %s (%s); starting a new one", run_id, exc
+                )
         if not self.run_id:
             tags = {"rayfl.sweep": sweep.name, "rayfl.base": str(sweep.base)}
             run = self.client.create_run(experiment_id, run_name=sweep.name, tags=tags)
@@ -546,7 +589,12 @@ class ParentRun:
         try:
             fn(*args)
         except Exception as exc:
-            log.warning("MLflow parent run %s: %s failed (%s)", self.run_id, getattr(fn, "__name__", fn), exc)
+            log.warning(
+                "MLflow parent run %s: %s failed (%s)",
+                self.run_id,
+                getattr(fn, "__name__", fn),
+                exc,
+            )
 
     def log_artifacts(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -594,6 +642,7 @@ class SweepResult:
     best: dict[str, Any] | None = None
     best_config_path: Path | None = None
     parent_run_id: str | None = None
+    tracking_uri: str | None = None
     wall_s: float = 0.0
 
 
@@ -614,7 +663,11 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
         wanted = int(result.config.get("engine.rounds", rounds)) if result.config else rounds
         if result.error is not None:
             row["status"] = "error"
-            row["error"] = str(result.error).strip().splitlines()[-1][:300] if str(result.error).strip() else type(result.error).__name__
+            row["error"] = (
+                str(result.error).strip().splitlines()[-1][:300]
+                if str(result.error).strip()
+                else type(result.error).__name__
+            )
         else:
             row["status"] = "done" if row["rounds"] >= wanted else "stopped"
             row["error"] = ""
@@ -624,7 +677,11 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
 
 
 def _best(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
-    scored = [r for r in rows if r["status"] != "error" and r[metric] is not None and math.isfinite(r[metric])]
+    scored = [
+        r
+        for r in rows
+        if r["status"] != "error" and r[metric] is not None and math.isfinite(r[metric])
+    ]
     if not scored:
         return None
     pick = max if mode == "max" else min
@@ -689,12 +746,18 @@ def format_results(result: SweepResult) -> str:
             lines.append(f"  {r['trial']} failed: {r['error']}")
     if result.best is not None:
         chosen = ", ".join(f"{k}={_fmt(result.best[k])}" for k in sweep.space)
-        lines.append(f"best: {result.best['trial']} {metric}={result.best[metric]:.4f} with {chosen}")
-        lines.append(f"best config: {result.best_config_path}  (rayfl run {result.best_config_path})")
+        lines.append(
+            f"best: {result.best['trial']} {metric}={result.best[metric]:.4f} with {chosen}"
+        )
+        lines.append(
+            f"best config: {result.best_config_path}  (rayfl run {result.best_config_path})"
+        )
     lines.append(f"results: {result.out / 'results.parquet'}")
     if result.parent_run_id:
-        uri = sweep.config.tracking.uri
-        lines.append(f"MLflow parent run {result.parent_run_id} (experiment {sweep.config.tracking.experiment}{', ' + uri if uri else ''})")
+        lines.append(
+            f"MLflow parent run {result.parent_run_id} in experiment "
+            f"{sweep.config.tracking.experiment} at {result.tracking_uri}"
+        )
     return "\n".join(lines)
 
 
@@ -716,7 +779,9 @@ def _absolute_uri(uri: str | None) -> str:
     return uri
 
 
-def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None) -> str:
+def run_sweep(
+    path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
+) -> str:
     """Run a sweep on Ray Tune and return the printed report (see the module doc).
 
     Joins the Ray that is already initialized, else `engine.address` of the base experiment, else
@@ -799,7 +864,9 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
     try:
         if restoring:
             log.info("resuming sweep %s from %s", sweep.name, exp_dir)
-            tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=True)
+            tuner = tune.Tuner.restore(
+                str(exp_dir), trainable, resume_unfinished=True, resume_errored=True
+            )
         else:
             scheduler = None
             if t.scheduler == "asha":
@@ -818,29 +885,40 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
                     num_samples=t.num_samples,
                     scheduler=scheduler,
                     # The generator's own limit: Tune ignores max_concurrent_trials next to it.
-                    search_alg=BasicVariantGenerator(max_concurrent=t.max_concurrent, random_state=t.seed),
+                    search_alg=BasicVariantGenerator(
+                        max_concurrent=t.max_concurrent, random_state=t.seed
+                    ),
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
                 ),
-                run_config=tune.RunConfig(name=sweep.name, storage_path=str(out / "tune"), verbose=t.verbose),
+                run_config=tune.RunConfig(
+                    name=sweep.name, storage_path=str(out / "tune"), verbose=t.verbose
+                ),
             )
         grid = tuner.fit()
         result = SweepResult(sweep, out, rows=_collect(grid, sweep))
         result.wall_s = time.perf_counter() - started
         result.parent_run_id = parent.run_id if parent else None
+        result.tracking_uri = uri
         result.best = _best(result.rows, t.metric, t.mode)
         if not result.rows:
             raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
         write_results(result.rows, out / "results.parquet")
         if result.best is None:
-            first = next((r["error"] for r in result.rows if r["error"]), "no trial reported the metric")
-            raise UserError(f"sweep {sweep.name}: every trial failed ({first}); trial logs are under {exp_dir}")
+            first = next(
+                (r["error"] for r in result.rows if r["error"]), "no trial reported the metric"
+            )
+            raise UserError(
+                f"sweep {sweep.name}: every trial failed ({first}); trial logs are under {exp_dir}"
+            )
         result.best_config_path = write_best_config(result)
         artifacts = [out / "results.parquet", result.best_config_path, out / "sweep.yaml"]
         artifacts.append(_plot(result))
         if parent is not None:
             parent.log_artifacts(artifacts)
-            parent.log_metrics({f"best/{t.metric}": result.best[t.metric], "trials": len(result.rows)})
+            parent.log_metrics(
+                {f"best/{t.metric}": result.best[t.metric], "trials": len(result.rows)}
+            )
         status = "FINISHED"
         return result
     except KeyboardInterrupt:

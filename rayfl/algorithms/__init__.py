@@ -1,6 +1,20 @@
 """Federated algorithms: one module each, holding both halves. Importing this registers them."""
 
-from rayfl.algorithms import fedavg, local, pfedes  # noqa: F401  (registration)
+from rayfl.algorithms import (  # noqa: F401  (registration)
+    fd,
+    fedavg,
+    fedfd,
+    fedgh,
+    fedkd,
+    fedmd,
+    fedproto,
+    fedprox,
+    fml,
+    heterofl,
+    lg_fedavg,
+    local,
+    pfedes,
+)
 from rayfl.algorithms.base import Algorithm, Client, Reply, Server
 
 __all__ = ["Algorithm", "Client", "Reply", "Server"]

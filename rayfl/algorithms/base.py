@@ -195,11 +195,15 @@ class Server:
         """Server models the engine scores on the server test set, as `<name>/acc`."""
         return {}
 
+    def state_modules(self) -> dict[str, nn.Module]:
+        """Modules that make up the server's state for checkpoints (default: the scored ones)."""
+        return self.eval_models()
+
     def state_dict(self) -> dict[str, Any]:
-        return {name: to_numpy(m.state_dict()) for name, m in self.eval_models().items()}
+        return {name: to_numpy(m.state_dict()) for name, m in self.state_modules().items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, module in self.eval_models().items():
+        for name, module in self.state_modules().items():
             load_numpy(module, state[name])
 
 

@@ -62,6 +62,7 @@ from rayfl.algorithms.heterofl import (
     build_width_model,
 )
 from rayfl.errors import ConfigError, require
+from rayfl.models.base import SplitModel
 from rayfl.registry import ALGORITHMS
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class FedFDParams(HeteroFLParams):
         super().__post_init__()
         require(self.steps >= 0, "algorithm.steps", f"must be >= 0 (got {self.steps})")
         require(self.lr > 0, "algorithm.lr", f"must be > 0 (got {self.lr})")
-        require(0 <= self.momentum < 1, "algorithm.momentum", f"must be in [0, 1) (got {self.momentum})")
+        require(
+            0 <= self.momentum < 1, "algorithm.momentum", f"must be in [0, 1) (got {self.momentum})"
+        )
         require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
         require(
             self.batch_size is None or self.batch_size >= 2,
@@ -188,7 +191,9 @@ def build_projection(kind: str, in_dim: int, out_dim: int, arch: str = "?") -> n
                 f"{out_dim} features and the global model {in_dim}; use projection=orthogonal or linear"
             )
         return nn.Identity()
-    raise ConfigError(f"algorithm.projection: unknown kind {kind!r}; use orthogonal, linear or identity")
+    raise ConfigError(
+        f"algorithm.projection: unknown kind {kind!r}; use orthogonal, linear or identity"
+    )
 
 
 def orthogonality_error(projection: nn.Module) -> float:
@@ -201,12 +206,14 @@ def orthogonality_error(projection: nn.Module) -> float:
         if m.shape[0] > m.shape[1]:
             m = m.T
         gram = m @ m.T
-        return float((gram - torch.eye(len(gram), dtype=gram.dtype, device=gram.device)).abs().max())
+        return float(
+            (gram - torch.eye(len(gram), dtype=gram.dtype, device=gram.device)).abs().max()
+        )
 
 
 def feature_distill_loss(
     global_features: torch.Tensor,
-    projections: Mapping[str, nn.Module],
+    projections: Mapping[str, nn.Module] | nn.ModuleDict,
     targets: Mapping[str, torch.Tensor],
     temperature: float,
 ) -> torch.Tensor:
@@ -223,7 +230,9 @@ def feature_distill_loss(
     """
     if not targets:
         raise ValueError("feature distillation needs at least one group target")
-    losses = [fn.kd_loss(projections[g](global_features), t, temperature) for g, t in targets.items()]
+    losses = [
+        fn.kd_loss(projections[g](global_features), t, temperature) for g, t in targets.items()
+    ]
     return torch.stack(losses).mean()
 
 
@@ -251,7 +260,7 @@ class FedFDServer(HeteroFLServer):
                 self.projections[arch] = build_projection(
                     params.projection, d_global, self.feature_dims[arch], arch
                 ).to(ctx.device)
-        self._extractors: dict[str, nn.Module] = {}
+        self._extractors: dict[str, SplitModel] = {}
         self._replies: list[Reply] = []
 
     def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
@@ -261,10 +270,12 @@ class FedFDServer(HeteroFLServer):
         return metrics
 
     # -- distillation ----------------------------------------------------------------------------
-    def _extractor(self, arch: str) -> nn.Module:
+    def _extractor(self, arch: str) -> SplitModel:
         if arch not in self._extractors:
             ctx = self.ctx
-            self._extractors[arch] = build_width_model(arch, ctx.in_shape, ctx.num_classes, self.params).to(ctx.device)
+            self._extractors[arch] = build_width_model(
+                arch, ctx.in_shape, ctx.num_classes, self.params
+            ).to(ctx.device)
         return self._extractors[arch]
 
     @torch.no_grad()
@@ -306,7 +317,9 @@ class FedFDServer(HeteroFLServer):
         # A batch of one cannot go through batch norm with batch statistics.
         batches = [x for x, _ in data.batches("public", batch_size=size) if len(x) > 1]
         if not batches:
-            log.warning("round %d: the public split is too small to distil from; skipped", round_idx)
+            log.warning(
+                "round %d: the public split is too small to distil from; skipped", round_idx
+            )
             return {}
         feats, logits = self._targets(batches, replies)
         x_all = torch.cat(batches)
@@ -326,7 +339,9 @@ class FedFDServer(HeteroFLServer):
             z = self.model.features(x_all[idx])
             loss = torch.zeros((), device=z.device)
             if feats:
-                f_loss = feature_distill_loss(z, self.projections, {a: t[idx] for a, t in feats.items()}, p.T)
+                f_loss = feature_distill_loss(
+                    z, self.projections, {a: t[idx] for a, t in feats.items()}, p.T
+                )
                 loss = loss + f_loss
                 total["feature"] += float(f_loss.detach())
             if logits is not None:
@@ -347,12 +362,17 @@ class FedFDServer(HeteroFLServer):
             metrics[f"{prefix}/feature_loss"] = total["feature"] / p.steps
             metrics[f"{prefix}/logit_loss"] = total["logit"] / p.steps
         if len(self.projections):
-            metrics[f"{prefix}/orth_error"] = max(orthogonality_error(m) for m in self.projections.values())
+            metrics[f"{prefix}/orth_error"] = max(
+                orthogonality_error(m) for m in self.projections.values()
+            )
         return metrics
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Payload]:
-        return {"global": to_numpy(self.model.state_dict()), "projections": to_numpy(self.projections.state_dict())}
+        return {
+            "global": to_numpy(self.model.state_dict()),
+            "projections": to_numpy(self.projections.state_dict()),
+        }
 
     def load_state_dict(self, state: Mapping[str, Payload]) -> None:
         load_numpy(self.model, state["global"])

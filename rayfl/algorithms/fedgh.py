@@ -69,10 +69,16 @@ class FedGHClient(Client):
         load_numpy(self.model.head, payload)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
-        params = self.model.encoder.parameters() if self.params.freeze_header else None
-        metrics = trainer.run(self.training_step, [self.model], params=params)
+        # A frozen header takes no gradient at all (so none accumulates on the cached instance).
+        self.model.head.requires_grad_(not self.params.freeze_header)
+        try:
+            metrics = trainer.run(self.training_step, [self.model])
+        finally:
+            self.model.head.requires_grad_(True)
         self.model.eval()
-        self.stats = protos.class_means(self.model.features, trainer.batches("train"), self.ctx.num_classes)
+        self.stats = protos.class_means(
+            self.model.features, trainer.batches("train"), self.ctx.num_classes
+        )
         return metrics
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -130,7 +136,9 @@ class FedGHServer(Server):
         labels = torch.as_tensor(self.pairs[1], device=self.ctx.device)
         self.pairs = None
         p = self.params
-        loss = train_header(self.header, features, labels, p.server_epochs, p.server_lr, self.ctx.train.batch_size)
+        loss = train_header(
+            self.header, features, labels, p.server_epochs, p.server_lr, self.ctx.train.batch_size
+        )
         return {"fedgh/header_loss": loss} if p.server_epochs > 0 else {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -88,7 +88,10 @@ def energy_rank(singular_values: np.ndarray, energy: float) -> int:
     total = sq.sum()
     if total <= 0:
         return 1
-    return int(min(len(sq), np.searchsorted(np.cumsum(sq) / total, energy - 1e-12) + 1))
+    first = int(
+        np.searchsorted(np.cumsum(sq) / total, energy - 1e-12)
+    )  # cumulative share >= energy
+    return min(len(sq), first + 1)
 
 
 def svd_compress(update: Mapping[str, np.ndarray], energy: float) -> Payload:

@@ -11,7 +11,7 @@ scores (logits) on a shared public set. One rayfl round of a client is FedMD's c
 
 The server's consensus is the plain average of the uploaded scores (as in the paper).
 
-Engine limits this module works around (see the module's report to the lead): clients cannot
+Engine limits worked around here (an engine change would lift them): clients cannot
 read the public split and the server only sees it in `update`, after round one's broadcast.
 So the server sends the public inputs down with the consensus (counted in `comm/bytes_down`,
 which overstates FedMD's cost: the paper assumes the public set is already on every device),
@@ -32,7 +32,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from rayfl.algorithms.base import (
     Algorithm,
@@ -60,14 +59,20 @@ class FedMDParams:
     def __post_init__(self) -> None:
         require(self.public_samples >= 1, "algorithm.public_samples", "must be at least 1")
         require(self.digest_epochs >= 0, "algorithm.digest_epochs", "must be >= 0")
-        require(self.digest_lr is None or self.digest_lr > 0, "algorithm.digest_lr", "must be > 0 or null")
+        require(
+            self.digest_lr is None or self.digest_lr > 0,
+            "algorithm.digest_lr",
+            "must be > 0 or null",
+        )
 
 
 def consensus(scores: Sequence[np.ndarray]) -> np.ndarray:
     """The plain average of the parties' score matrices (public samples x classes)."""
     if not scores:
         raise ValueError("no scores to average")
-    return np.mean(np.stack([np.asarray(s, dtype=np.float64) for s in scores]), axis=0).astype(np.float32)
+    return np.mean(np.stack([np.asarray(s, dtype=np.float64) for s in scores]), axis=0).astype(
+        np.float32
+    )
 
 
 def digest_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
@@ -85,13 +90,23 @@ class FedMDClient(Client):
 
     def receive(self, payload: Payload) -> None:
         device = self.ctx.device
-        self.public_x = torch.as_tensor(np.array(payload["public_x"]), device=device) if "public_x" in payload else None
+        self.public_x = (
+            torch.as_tensor(np.array(payload["public_x"]), device=device)
+            if "public_x" in payload
+            else None
+        )
         has = "consensus" in payload
-        self.consensus = torch.as_tensor(np.array(payload["consensus"]), device=device) if has else None
+        self.consensus = (
+            torch.as_tensor(np.array(payload["consensus"]), device=device) if has else None
+        )
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.public_x is not None and self.consensus is not None and self.params.digest_epochs > 0:
+        if (
+            self.public_x is not None
+            and self.consensus is not None
+            and self.params.digest_epochs > 0
+        ):
             metrics["fedmd/digest_loss"] = self._digest()
         metrics.update(trainer.run(self.training_step, [self.model]))
         return metrics
@@ -102,9 +117,13 @@ class FedMDClient(Client):
         lr = t.lr if p.digest_lr is None else p.digest_lr
         optimizer: torch.optim.Optimizer
         if t.optimizer == "adam":
-            optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=t.weight_decay)
+            optimizer = torch.optim.Adam(
+                self.model.parameters(), lr=lr, weight_decay=t.weight_decay
+            )
         else:
-            optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+            optimizer = torch.optim.SGD(
+                self.model.parameters(), lr=lr, momentum=t.momentum, weight_decay=t.weight_decay
+            )
         self.model.train()
         n = len(self.public_x)
         total = 0.0
@@ -113,7 +132,9 @@ class FedMDClient(Client):
             order = torch.randperm(n, device=self.public_x.device)
             for start in range(0, n, t.batch_size):
                 idx = order[start : start + t.batch_size]
-                loss = digest_loss(self.model(self.public_x[idx]), self.consensus[idx], p.digest_loss)
+                loss = digest_loss(
+                    self.model(self.public_x[idx]), self.consensus[idx], p.digest_loss
+                )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -128,7 +149,9 @@ class FedMDClient(Client):
         if self.public_x is None:
             return {}
         self.model.eval()
-        scores = torch.cat([self.model(chunk) for chunk in self.public_x.split(self.ctx.train.eval_batch_size)])
+        scores = torch.cat(
+            [self.model(chunk) for chunk in self.public_x.split(self.ctx.train.eval_batch_size)]
+        )
         return {"scores": scores.float().cpu().numpy()}
 
 
@@ -161,10 +184,9 @@ class FedMDServer(Server):
                 if seen >= self.params.public_samples:
                     break
             if chunks:
-                self.public_x = np.concatenate(chunks)[: self.params.public_samples].astype(np.float32)
-        return {}
-
-    def eval_models(self) -> dict[str, nn.Module]:
+                self.public_x = np.concatenate(chunks)[: self.params.public_samples].astype(
+                    np.float32
+                )
         return {}
 
     def state_dict(self) -> dict[str, Any]:

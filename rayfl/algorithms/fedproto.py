@@ -74,7 +74,9 @@ class FedProtoClient(Client):
     def fit(self, trainer: Trainer) -> dict[str, float]:
         metrics = trainer.run(self.training_step, [self.model])
         self.model.eval()
-        self.stats = protos.class_means(self.model.features, trainer.batches("train"), self.ctx.num_classes)
+        self.stats = protos.class_means(
+            self.model.features, trainer.batches("train"), self.ctx.num_classes
+        )
         return metrics
 
     def upload(self) -> Payload:

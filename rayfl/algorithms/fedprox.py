@@ -31,7 +31,9 @@ class FedProxParams:
         require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")
 
 
-def proximal_term(params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor], mu: float) -> torch.Tensor:
+def proximal_term(
+    params: Sequence[nn.Parameter], anchors: Sequence[torch.Tensor], mu: float
+) -> torch.Tensor:
     """`mu/2 * sum_i ||params_i - anchors_i||^2` (anchors are constants)."""
     total = sum(((p - a.detach()) ** 2).sum() for p, a in zip(params, anchors))
     return 0.5 * mu * torch.as_tensor(total)

@@ -49,6 +49,7 @@ __all__ = [
     "HeteroFLParams",
     "HeteroFLServer",
     "build_width_model",
+    "check_width_family",
     "entry_weights",
 ]
 
@@ -95,11 +96,7 @@ def build_width_model(
     Raises:
         ConfigError: `arch` is not in the `resnet_widths` family or the input is not an image.
     """
-    if not _is_width_arch(arch):
-        raise ConfigError(
-            f"model {arch!r}: width-sliced algorithms (heterofl, fedfd, feddf) need width-scaled "
-            "ResNet-18 clients; use model.family=resnet_widths or model.architectures=[resnet18_w1, ...]"
-        )
+    check_width_family([arch], HeteroFLParams())
     if len(in_shape) != 3:
         raise ConfigError(
             f"model {arch!r} needs image inputs (C, H, W), got in_shape {tuple(in_shape)}; pick an image dataset"
@@ -111,6 +108,28 @@ def build_width_model(
         static_bn=params.static_bn,
         scaler=params.scaler,
     )
+
+
+def check_width_family(archs: Sequence[str], params: HeteroFLParams) -> None:
+    """Refuse client architectures that are not width slices of `params.global_arch`.
+
+    Cheap (no model is built), so the engine can call it before any data is loaded.
+
+    Raises:
+        ConfigError: an architecture outside `resnet_widths`, or one wider than the global model.
+    """
+    global_width = resnet_width(params.global_arch)
+    for arch in archs:
+        if not _is_width_arch(arch):
+            raise ConfigError(
+                f"model {arch!r}: width-sliced algorithms (heterofl, fedfd, feddf) need width-scaled "
+                "ResNet-18 clients; use model.family=resnet_widths or model.architectures=[resnet18_w1, ...]"
+            )
+        if resnet_width(arch) > global_width:
+            raise ConfigError(
+                f"client model {arch!r} (width {resnet_width(arch):g}) is wider than algorithm.global_arch="
+                f"{params.global_arch} (width {global_width:g}); use a wider global_arch (e.g. resnet18)"
+            )
 
 
 def _meta_model(arch: str, ctx: ServerContext, params: HeteroFLParams) -> ResNet18:
@@ -161,17 +180,14 @@ class HeteroFLServer(Server):
 
     def __init__(self, ctx: ServerContext, params: HeteroFLParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_width_model(params.global_arch, ctx.in_shape, ctx.num_classes, params).to(ctx.device)
-        global_width = resnet_width(params.global_arch)
+        self.model = build_width_model(
+            params.global_arch, ctx.in_shape, ctx.num_classes, params
+        ).to(ctx.device)
+        check_width_family(ctx.architectures, params)
         self.shapes: dict[str, dict[str, torch.Size]] = {}
         self.feature_dims: dict[str, int] = {}
         for arch in ctx.architectures:
             meta = _meta_model(arch, ctx, params)
-            if meta.width > global_width:
-                raise ConfigError(
-                    f"client model {arch!r} (width {meta.width:g}) is wider than algorithm.global_arch="
-                    f"{params.global_arch} (width {global_width:g}); use a wider global_arch (e.g. resnet18)"
-                )
             self.shapes[arch] = state_shapes(meta.state_dict())
             self.feature_dims[arch] = meta.feature_dim
 
@@ -180,7 +196,9 @@ class HeteroFLServer(Server):
 
     def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
         subs = [_as_tensors(r.payload) for r in replies]
-        state = aggregate_sliced(self.model.state_dict(), subs, entry_weights(replies, self.params.weighting))
+        state = aggregate_sliced(
+            self.model.state_dict(), subs, entry_weights(replies, self.params.weighting)
+        )
         self.model.load_state_dict(state)
         return {}
 

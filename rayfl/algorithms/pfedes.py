@@ -19,9 +19,9 @@ proxy update, and EMA of the global proxy applied every `ema_every` rounds.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +185,8 @@ class PFedESServer(Server):
         # The `input` proxy is an image-to-image map: it has no accuracy of its own.
         return {"proxy": self.proxy} if self.params.variant == "kd" else {}
 
-    def state_dict(self) -> dict[str, Payload]:
-        return {"proxy": to_numpy(self.proxy.state_dict())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.proxy, state["proxy"])
+    def state_modules(self) -> dict[str, nn.Module]:
+        return {"proxy": self.proxy}
 
 
 ALGORITHMS.add(

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from rayfl.algorithms.base import Batch, Payload
 
 
-def class_sums(values: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def class_sums(
+    values: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class sums of the rows of `values` `(B, D)` and the per-class counts `(C,)`."""
     sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
     sums.index_add_(0, labels, values)
@@ -48,7 +50,10 @@ def class_means(
     if sums is None or counts is None:
         raise ValueError("class_means needs at least one batch")
     means = sums / counts.clamp(min=1.0).unsqueeze(1)
-    return {"means": means.cpu().numpy().astype(np.float32), "counts": counts.cpu().numpy().astype(np.float32)}
+    return {
+        "means": means.cpu().numpy().astype(np.float32),
+        "counts": counts.cpu().numpy().astype(np.float32),
+    }
 
 
 def empty_class_stats(num_classes: int, dim: int) -> Payload:
@@ -77,7 +82,9 @@ def aggregate_class_means(stats: Sequence[Mapping[str, np.ndarray]]) -> Payload:
     return {"means": means.astype(np.float32), "counts": counts.astype(np.float32)}
 
 
-def stats_tensors(stats: Mapping[str, np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def stats_tensors(
+    stats: Mapping[str, np.ndarray], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(means, counts)` of a class-statistics payload as tensors on `device`."""
     means = torch.as_tensor(np.array(stats["means"]), dtype=torch.float32, device=device)
     counts = torch.as_tensor(np.array(stats["counts"]), dtype=torch.float32, device=device)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rayfl.config import flatten, to_dict
+from rayfl.config import to_dict
 
 if TYPE_CHECKING:
     from rayfl.engine.loop import Simulation
@@ -162,7 +162,7 @@ class TrackerCallback(Callback):
         self.run_dir = run_dir
 
     def on_run_start(self, sim: Simulation) -> None:
-        self.tracker.log_config(flatten(to_dict(sim.cfg)))
+        self.tracker.log_config(to_dict(sim.cfg))
         self.tracker.set_tags(
             {"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset}
         )

@@ -19,8 +19,14 @@ def test_server_averages_class_logits_by_count_golden():
     sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
     server = FDServer(sctx, FDParams())
     assert not server.broadcast("tiny_a")["counts"].any()  # nothing known before round one
-    a = {"means": np.array([[1.0, 0.0], [0.0, 0.0]], np.float32), "counts": np.array([1.0, 0.0], np.float32)}
-    b = {"means": np.array([[3.0, 2.0], [0.0, 6.0]], np.float32), "counts": np.array([3.0, 2.0], np.float32)}
+    a = {
+        "means": np.array([[1.0, 0.0], [0.0, 0.0]], np.float32),
+        "counts": np.array([1.0, 0.0], np.float32),
+    }
+    b = {
+        "means": np.array([[3.0, 2.0], [0.0, 6.0]], np.float32),
+        "counts": np.array([3.0, 2.0], np.float32),
+    }
     metrics = server.aggregate([Reply(0, "tiny_a", 5, a), Reply(1, "tiny_a", 5, b)], 1)
     down = server.broadcast("tiny_a")
     np.testing.assert_allclose(down["means"], [[2.5, 1.5], [0.0, 6.0]])

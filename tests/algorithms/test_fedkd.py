@@ -76,7 +76,9 @@ def test_server_adds_the_averaged_updates():
     start = server.broadcast("tiny_b")
     ones = {k: np.ones_like(v) for k, v in start.items()}
     threes = {k: 3 * np.ones_like(v) for k, v in start.items()}
-    server.aggregate([Reply(0, "tiny_b", 1, svd_compress(ones, 0.99)), Reply(1, "tiny_b", 1, threes)], 1)
+    server.aggregate(
+        [Reply(0, "tiny_b", 1, svd_compress(ones, 0.99)), Reply(1, "tiny_b", 1, threes)], 1
+    )
     after = server.broadcast("tiny_b")
     for k in start:
         np.testing.assert_allclose(after[k], start[k] + 2.0, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
 from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams, FedProtoServer
@@ -17,7 +16,9 @@ CPU = torch.device("cpu")
 
 
 def test_loss_golden_with_hand_set_features():
-    client = FedProtoClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FedProtoParams(lam=2.0))
+    client = FedProtoClient(
+        ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FedProtoParams(lam=2.0)
+    )
     with torch.no_grad():  # features = relu(x_flat[:16]), head = zero map
         client.model.encoder[1].weight.copy_(torch.eye(16, 64))
         client.model.encoder[1].bias.zero_()

@@ -52,7 +52,9 @@ def test_client_shares_the_meme_and_server_averages_it():
     doubled = {k: 2 * v for k, v in up.items()}
     server.aggregate([Reply(0, "tiny_b", 1, up), Reply(1, "tiny_b", 3, doubled)], 1)
     # (1 * w + 3 * 2w) / 4 = 1.75 w
-    np.testing.assert_allclose(server.broadcast("tiny_b")["head.weight"], 1.75 * up["head.weight"], rtol=1e-6)
+    np.testing.assert_allclose(
+        server.broadcast("tiny_b")["head.weight"], 1.75 * up["head.weight"], rtol=1e-6
+    )
     assert "meme" in server.eval_models()
 
 

@@ -3,8 +3,7 @@
 import numpy as np
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
-from rayfl.algorithms.base import NoParams
+from rayfl.algorithms.base import ClientContext, NoParams, Reply, ServerContext, TrainSettings
 from rayfl.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgServer
 from rayfl.registry import ALGORITHMS
 
@@ -13,7 +12,9 @@ CPU = torch.device("cpu")
 
 
 def make_server() -> LGFedAvgServer:
-    ctx = ServerContext(("tiny_a", "tiny_b"), {"tiny_a": 1, "tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    ctx = ServerContext(
+        ("tiny_a", "tiny_b"), {"tiny_a": 1, "tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 2
+    )
     return LGFedAvgServer(ctx, NoParams())
 
 
@@ -33,7 +34,10 @@ def test_client_receives_and_uploads_only_the_head():
     ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
     client = LGFedAvgClient(ctx, NoParams())
     encoder_before = {k: v.clone() for k, v in client.model.encoder.state_dict().items()}
-    payload = {"weight": np.full((3, 16), 0.5, np.float32), "bias": np.array([1.0, 2.0, 3.0], np.float32)}
+    payload = {
+        "weight": np.full((3, 16), 0.5, np.float32),
+        "bias": np.array([1.0, 2.0, 3.0], np.float32),
+    }
     client.receive(payload)
     torch.testing.assert_close(client.model.head.bias, torch.tensor([1.0, 2.0, 3.0]))
     for k, v in client.model.encoder.state_dict().items():

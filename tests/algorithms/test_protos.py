@@ -20,8 +20,14 @@ def test_class_means_golden():
 
 
 def test_aggregate_class_means_weights_by_counts():
-    a = {"means": np.array([[1.0, 0.0], [5.0, 5.0]], np.float32), "counts": np.array([1.0, 2.0], np.float32)}
-    b = {"means": np.array([[3.0, 2.0], [0.0, 0.0]], np.float32), "counts": np.array([3.0, 0.0], np.float32)}
+    a = {
+        "means": np.array([[1.0, 0.0], [5.0, 5.0]], np.float32),
+        "counts": np.array([1.0, 2.0], np.float32),
+    }
+    b = {
+        "means": np.array([[3.0, 2.0], [0.0, 0.0]], np.float32),
+        "counts": np.array([3.0, 0.0], np.float32),
+    }
     out = protos.aggregate_class_means([a, b])
     # class 0: (1 * [1, 0] + 3 * [3, 2]) / 4 = [2.5, 1.5]; class 1: only a has it.
     np.testing.assert_allclose(out["means"], [[2.5, 1.5], [5.0, 5.0]])
@@ -47,8 +53,14 @@ def test_masked_class_mse_gradient_pulls_towards_the_prototype():
 
 
 def test_prototype_pairs_keep_only_seen_classes_in_client_order():
-    a = {"means": np.array([[1.0], [2.0], [3.0]], np.float32), "counts": np.array([1.0, 0.0, 4.0], np.float32)}
-    b = {"means": np.array([[7.0], [8.0], [9.0]], np.float32), "counts": np.array([0.0, 2.0, 0.0], np.float32)}
+    a = {
+        "means": np.array([[1.0], [2.0], [3.0]], np.float32),
+        "counts": np.array([1.0, 0.0, 4.0], np.float32),
+    }
+    b = {
+        "means": np.array([[7.0], [8.0], [9.0]], np.float32),
+        "counts": np.array([0.0, 2.0, 0.0], np.float32),
+    }
     feats, labels = protos.prototype_pairs([a, b])
     np.testing.assert_array_equal(feats, [[1.0], [3.0], [8.0]])
     np.testing.assert_array_equal(labels, [0, 2, 1])
