@@ -161,20 +161,14 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
 
 
 def check_family(cfg: RunConfig) -> list[str]:
-    """Checks that need the family but no data: names, proportions, homogeneity."""
+    """Checks that need the family but no data: names, proportions, the algorithm's needs."""
+    from rayfl.engine.loop import check_algorithm_fits
     from rayfl.models.families import family_from_config
     from rayfl.registry import ALGORITHMS
 
     family = family_from_config(cfg.model.family, cfg.model.architectures)
     archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-    algo = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-    if algo.needs_homogeneous and len(set(archs)) > 1:
-        raise UserError(
-            f"algorithm.name={algo.name} needs one architecture but model.family={family.name} has "
-            f"{len(set(archs))}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
-        )
-    if algo.needs_public and cfg.data.public_fraction <= 0:
-        raise UserError(f"algorithm.name={algo.name} needs data.public_fraction > 0 (e.g. 0.1)")
+    check_algorithm_fits(ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name"), cfg, archs)
     return archs
 
 

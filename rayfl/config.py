@@ -89,6 +89,8 @@ class EngineConfig:
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
+    # torch threads for the server step, which runs while the workers wait (None: all CPUs)
+    server_threads: int | None = None
     round_timeout_s: float | None = None  # deadline for a round's clients (None: wait for all)
     min_replies: int = 1  # a round needs at least this many valid replies
     max_retries: int = 2  # re-runs of a client batch whose worker died

@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rayfl(*args, cwd=ROOT, env=None):
-    return subprocess.run([sys.executable, "-m", "rayfl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rayfl.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_run_logs_to_mlflow_and_writes_the_run_directory(tmp_path):
@@ -24,8 +30,16 @@ def test_run_logs_to_mlflow_and_writes_the_run_directory(tmp_path):
     cfg.write_text(yaml.safe_dump(SYNTHETIC))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     out = tmp_path / "run"
-    proc = rayfl("run", str(cfg), "tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=cli",
-                 "--out", str(out), "--no-progress")
+    proc = rayfl(
+        "run",
+        str(cfg),
+        "tracking.backend=mlflow",
+        f"tracking.uri={uri}",
+        "tracking.experiment=cli",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "personal/acc/arch=tiny_a" in proc.stdout and "proxy/acc" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -39,13 +53,28 @@ def test_run_logs_to_mlflow_and_writes_the_run_directory(tmp_path):
     assert abs(history[-1].value - summary["final"]["personal/acc"]) < 1e-9
     assert run.data.params["algorithm.name"] == "pfedes"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"metrics.parquet", "summary.json", "learning_curves.png", "label_distribution.png"} <= artifacts
+    assert {
+        "metrics.parquet",
+        "summary.json",
+        "learning_curves.png",
+        "label_distribution.png",
+    } <= artifacts
 
 
 def test_ls_lists_every_registry():
     proc = rayfl("ls")
     assert proc.returncode == 0, proc.stderr
-    for word in ("pfedes", "fedavg", "local", "cnn_small", "seed3", "cnn5", "fmnist", "dirichlet", "pathological"):
+    for word in (
+        "pfedes",
+        "fedavg",
+        "local",
+        "cnn_small",
+        "seed3",
+        "cnn5",
+        "fmnist",
+        "dirichlet",
+        "pathological",
+    ):
         assert word in proc.stdout
 
 

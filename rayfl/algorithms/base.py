@@ -221,6 +221,9 @@ class Algorithm:
     )
     needs_public: bool = False  # uses the held-out public split (fedmd, feddf, fedfd)
     summary: str = ""
+    # Extra check of the clients' architectures against the params (raises ConfigError); cheap,
+    # it builds no model, so `rayfl validate` can run it before any data is loaded.
+    check_archs: Callable[[Sequence[str], Any], None] | None = None
 
 
 @dataclass(frozen=True)

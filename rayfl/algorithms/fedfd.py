@@ -60,9 +60,11 @@ from rayfl.algorithms.heterofl import (
     HeteroFLParams,
     HeteroFLServer,
     build_width_model,
+    check_width_family,
 )
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
+from rayfl.models.zoo import resnet_width
 from rayfl.registry import ALGORITHMS
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ __all__ = [
     "LinearProjection",
     "OrthogonalProjection",
     "build_projection",
+    "check_fedfd_family",
     "feature_distill_loss",
     "orthogonality_error",
 ]
@@ -194,6 +197,24 @@ def build_projection(kind: str, in_dim: int, out_dim: int, arch: str = "?") -> n
     raise ConfigError(
         f"algorithm.projection: unknown kind {kind!r}; use orthogonal, linear or identity"
     )
+
+
+def check_fedfd_family(archs: Sequence[str], params: FedFDParams) -> None:
+    """HeteroFL's width checks plus `projection=identity`'s equal feature sizes; builds no model.
+
+    Raises:
+        ConfigError: a client that is not a width slice of the global model, or an identity
+            projection to a client of another width.
+    """
+    check_width_family(archs, params)
+    if params.projection == "identity" and params.distill != "logit":
+        global_width = resnet_width(params.global_arch)
+        for arch in archs:
+            if resnet_width(arch) != global_width:
+                raise ConfigError(
+                    f"algorithm.projection=identity needs equal feature sizes, but client model {arch!r} "
+                    f"is narrower than algorithm.global_arch={params.global_arch}; use projection=orthogonal or linear"
+                )
 
 
 def orthogonality_error(projection: nn.Module) -> float:
@@ -394,6 +415,7 @@ ALGORITHMS.add(
         FedFDServer,
         needs_public=True,
         summary="HeteroFL slices + server ensemble feature distillation through orthogonal projections",
+        check_archs=check_fedfd_family,
     ),
 )
 ALGORITHMS.add(
@@ -405,5 +427,6 @@ ALGORITHMS.add(
         FedDFServer,
         needs_public=True,
         summary="HeteroFL slices + server averaged-logit ensemble distillation (FedDF-style)",
+        check_archs=check_fedfd_family,
     ),
 )

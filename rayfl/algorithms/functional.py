@@ -41,7 +41,9 @@ def normalized_weights(counts: Sequence[float], cap: float | None = None) -> np.
     return w
 
 
-def weighted_average(states: Sequence[State], weights: Sequence[float] | np.ndarray) -> dict[str, np.ndarray]:
+def weighted_average(
+    states: Sequence[State], weights: Sequence[float] | np.ndarray
+) -> dict[str, np.ndarray]:
     """Per-key weighted average of numpy state dicts (weights need not be normalized).
 
     Integer entries (e.g. BatchNorm's `num_batches_tracked`) take the first state's value.

@@ -214,5 +214,6 @@ ALGORITHMS.add(
         HeteroFLClient,
         HeteroFLServer,
         summary="width-sliced sub-models of one global model, per-entry averaging",
+        check_archs=check_width_family,
     ),
 )

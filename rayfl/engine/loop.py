@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,27 +78,39 @@ def prepare_federation(cfg: RunConfig) -> Federation:
 
 
 def check_algorithm_fits(
-    algo: Algorithm, cfg: RunConfig, archs: list[str], federation: Federation
+    algo: Algorithm,
+    cfg: RunConfig,
+    archs: Sequence[str],
+    feature_dims: Mapping[str, int] | None = None,
+    public_size: int | None = None,
 ) -> None:
-    """Refuse algorithm/family/data combinations that cannot work, naming the fix."""
-    family = family_from_config(cfg.model.family, cfg.model.architectures)
+    """Refuse algorithm/family/data combinations that cannot work, naming the fix.
+
+    Without `feature_dims` / `public_size` (no data loaded yet, as in `rayfl validate`) the
+    checks that need them are made from the config alone.
+    """
+    family = cfg.model.family if cfg.model.architectures is None else "custom"
     distinct = sorted(set(archs))
     if algo.needs_homogeneous and len(distinct) > 1:
         raise ConfigError(
             f"algorithm.name={algo.name} averages whole models and needs one architecture, but model.family="
-            f"{family.name} has {', '.join(distinct)}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
+            f"{family} has {', '.join(distinct)}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
         )
-    if algo.needs_common_feature_dim:
-        dims = family.feature_dims(federation.dataset.in_shape, federation.dataset.num_classes)
-        if len({dims[a] for a in distinct}) > 1:
-            raise ConfigError(
-                f"algorithm.name={algo.name} shares heads/prototypes and needs one feature size, but model.family="
-                f"{family.name} has feature sizes {dims}; pick a family with a common feature size (seed3, cnn5)"
-            )
-    if algo.needs_public and len(federation.public) == 0:
+    if (
+        algo.needs_common_feature_dim
+        and feature_dims is not None
+        and len({feature_dims[a] for a in distinct}) > 1
+    ):
+        raise ConfigError(
+            f"algorithm.name={algo.name} shares heads/prototypes and needs one feature size, but model.family="
+            f"{family} has feature sizes {dict(feature_dims)}; pick a family with a common feature size (seed3, cnn5)"
+        )
+    if algo.needs_public and (cfg.data.public_fraction <= 0 or public_size == 0):
         raise ConfigError(
             f"algorithm.name={algo.name} needs a public/distillation split; set data.public_fraction (e.g. 0.1)"
         )
+    if algo.check_archs is not None:
+        algo.check_archs(distinct, cfg.algorithm.params)
 
 
 def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSpec:
@@ -121,6 +135,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         num_classes=federation.dataset.num_classes,
         device=e.device,
         num_threads=threads,
+        server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
     )
 
@@ -171,7 +186,13 @@ class Simulation:
         self.federation = prepare_federation(cfg)
         family = family_from_config(cfg.model.family, cfg.model.architectures)
         self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-        check_algorithm_fits(self.algo, cfg, self.archs, self.federation)
+        dataset = self.federation.dataset
+        dims = (
+            family.feature_dims(dataset.in_shape, dataset.num_classes)
+            if self.algo.needs_common_feature_dim
+            else None
+        )
+        check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
         self.per_round = clients_per_round(cfg)
         self.spec = make_spec(cfg, self.archs, self.federation)
         self.result = RunResult(cfg)
@@ -217,8 +238,11 @@ class Simulation:
         clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(archs)
+        fit_start = time.perf_counter()
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
+        server_start = time.perf_counter()
         server_metrics = ex.server_step(rnd, replies, evaluate)
+        server_s = time.perf_counter() - server_start
         bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
@@ -228,6 +252,8 @@ class Simulation:
         row["comm/bytes_down"] = bytes_down
         row["comm/bytes_up_total"] = comm["up"]
         row["comm/bytes_down_total"] = comm["down"]
+        row["time/fit_s"] = server_start - fit_start
+        row["time/server_s"] = server_s
         row["time/round_s"] = time.perf_counter() - start
         self.last_client_rows = client_rows
         self.last_clients = clients

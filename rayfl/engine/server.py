@@ -16,7 +16,7 @@ import torch
 
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device
+from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, accuracy
 from rayfl.errors import UserError
 
@@ -77,11 +77,11 @@ def is_finite(payload: Any) -> bool:
 
 class ServerRunner:
     def __init__(self, spec: RunSpec, federation: Federation, device: torch.device) -> None:
-        torch.set_num_threads(max(1, spec.num_threads))
         self.spec = spec
         self.device = device
         torch.manual_seed(derive_seed(spec.seed, SERVER))
-        self.server = spec.algo.server(spec.server_context(device), spec.params)
+        with torch_threads(spec.server_threads):
+            self.server = spec.algo.server(spec.server_context(device), spec.params)
         self.data = EngineServerData(
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
@@ -94,6 +94,12 @@ class ServerRunner:
         self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool
     ) -> dict[str, float]:
         """Aggregate the round's replies (in client-id order), run the server update, evaluate."""
+        with torch_threads(self.spec.server_threads):
+            return self._step(round_idx, reply_lists, evaluate)
+
+    def _step(
+        self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool
+    ) -> dict[str, float]:
         replies = sorted((r for batch in reply_lists for r in batch), key=lambda r: r.client_id)
         valid = []
         for r in replies:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,8 @@ class RunSpec:
     in_shape: tuple[int, ...]
     num_classes: int
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int = 1
+    num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
+    server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
 
     @property
@@ -61,6 +64,18 @@ class RunSpec:
             seed=self.seed,
             num_clients=len(self.archs),
         )
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a phase with `n` torch threads (process-wide, so the serial executor's client and
+    server phases each get their own count, exactly as in separate Ray actors)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_device(preference: str, gpu_ids: list | None = None) -> torch.device:

@@ -17,7 +17,7 @@ import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device
+from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import LocalTrainer, evaluate_client
 
 ClientMetrics = dict[str, Any]
@@ -27,7 +27,6 @@ class ClientRunner:
     """Trains and evaluates virtual clients one after another on one device."""
 
     def __init__(self, spec: RunSpec, federation: Federation, device: torch.device) -> None:
-        torch.set_num_threads(max(1, spec.num_threads))
         self.spec = spec
         self.federation = federation
         self.device = device
@@ -53,6 +52,17 @@ class ClientRunner:
         evaluate: bool,
     ) -> tuple[list[ClientMetrics], list[Reply], list[Payload]]:
         """Run one round for `client_ids`: load state, receive, fit, upload, evaluate, save state."""
+        with torch_threads(self.spec.num_threads):
+            return self._fit(round_idx, client_ids, payloads, states, evaluate)
+
+    def _fit(
+        self,
+        round_idx: int,
+        client_ids: Sequence[int],
+        payloads: Mapping[str, Payload],
+        states: Sequence[Payload | None],
+        evaluate: bool,
+    ) -> tuple[list[ClientMetrics], list[Reply], list[Payload]]:
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []

@@ -18,6 +18,7 @@ from rayfl.algorithms.fedfd import (
     LinearProjection,
     OrthogonalProjection,
     build_projection,
+    check_fedfd_family,
     feature_distill_loss,
     orthogonality_error,
 )
@@ -134,6 +135,12 @@ def test_identity_projection_needs_equal_sizes():
         server_ctx(("resnet18_w2",)), FedFDParams(global_arch="resnet18_w2", projection="identity")
     )
     assert isinstance(server.projections["resnet18_w2"], nn.Identity)
+    # the same refusal without building anything (for config validation)
+    with pytest.raises(ConfigError, match="projection=identity"):
+        check_fedfd_family(["resnet18_w1", "resnet18"], FedFDParams(projection="identity"))
+    check_fedfd_family(["resnet18_w1"], FedFDParams(projection="identity", distill="logit"))
+    with pytest.raises(ConfigError, match="width-scaled"):
+        check_fedfd_family(["cnn_small"], FedFDParams())
 
 
 def test_params_checks():
