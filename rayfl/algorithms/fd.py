@@ -24,11 +24,8 @@ Server: per-class average of the clients' mean logits, weighted by their class c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +35,6 @@ from rayfl.algorithms.base import (
     Client,
     ClientContext,
     Payload,
-    Reply,
-    Server,
     ServerContext,
     Trainer,
 )
@@ -88,23 +83,11 @@ class FDClient(Client):
         return self.stats
 
 
-class FDServer(Server):
+class FDServer(protos.ClassTableServer):
+    prefix = "fd"
+
     def __init__(self, ctx: ServerContext, params: FDParams) -> None:
-        super().__init__(ctx, params)
-        self.table = protos.empty_class_stats(ctx.num_classes, ctx.num_classes)
-
-    def broadcast(self, arch: str) -> Payload:
-        return dict(self.table)
-
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        self.table = protos.aggregate_class_means([r.payload for r in replies])
-        return {"fd/classes_known": float(np.count_nonzero(self.table["counts"]))}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"table": dict(self.table)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.table = {k: np.array(v) for k, v in state["table"].items()}
+        super().__init__(ctx, params, dim=ctx.num_classes)
 
 
 ALGORITHMS.add(

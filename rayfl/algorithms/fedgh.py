@@ -20,13 +20,13 @@ Server: trains the global header on the uploaded prototypes (cross-entropy, plai
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
@@ -141,11 +141,8 @@ class FedGHServer(Server):
         )
         return {"fedgh/header_loss": loss} if p.server_epochs > 0 else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"header": to_numpy(self.header.state_dict())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.header, state["header"])
+    def state_modules(self) -> dict[str, nn.Module]:
+        return {"header": self.header}
 
 
 ALGORITHMS.add(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -171,12 +170,6 @@ class FedKDServer(Server):
 
     def eval_models(self) -> dict[str, nn.Module]:
         return {"mentee": self.mentee}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"mentee": to_numpy(self.mentee.state_dict())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.mentee, state["mentee"])
 
 
 ALGORITHMS.add(

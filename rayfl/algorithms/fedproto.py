@@ -18,11 +18,8 @@ Server: per-class average of the client prototypes, weighted by their class coun
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,8 +29,6 @@ from rayfl.algorithms.base import (
     Client,
     ClientContext,
     Payload,
-    Reply,
-    Server,
     ServerContext,
     Trainer,
 )
@@ -83,24 +78,12 @@ class FedProtoClient(Client):
         return self.stats
 
 
-class FedProtoServer(Server):
+class FedProtoServer(protos.ClassTableServer):
+    prefix = "fedproto"
+
     def __init__(self, ctx: ServerContext, params: FedProtoParams) -> None:
-        super().__init__(ctx, params)
         dim = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes).feature_dim
-        self.table = protos.empty_class_stats(ctx.num_classes, dim)
-
-    def broadcast(self, arch: str) -> Payload:
-        return dict(self.table)
-
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        self.table = protos.aggregate_class_means([r.payload for r in replies])
-        return {"fedproto/classes_known": float(np.count_nonzero(self.table["counts"]))}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"table": dict(self.table)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.table = {k: np.array(v) for k, v in state["table"].items()}
+        super().__init__(ctx, params, dim=dim)
 
 
 ALGORITHMS.add(

@@ -17,9 +17,8 @@ Server: sample-weighted average of the memes (scored on the server test set as `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,12 +115,6 @@ class FMLServer(Server):
 
     def eval_models(self) -> dict[str, nn.Module]:
         return {"meme": self.meme}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"meme": to_numpy(self.meme.state_dict())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.meme, state["meme"])
 
 
 ALGORITHMS.add(

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rayfl.algorithms.base import Batch, Payload
+from rayfl.algorithms.base import Batch, Payload, Reply, Server, ServerContext
 
 
 def class_sums(
@@ -120,3 +120,29 @@ def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarr
     if not protos:
         return np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int64)
     return np.concatenate(protos), np.concatenate(labels)
+
+
+class ClassTableServer(Server):
+    """Server of per-class statistics (FD's class logits, FedProto's prototypes): it averages the
+    clients' tables per class by count and broadcasts the result."""
+
+    prefix = "classes"
+
+    def __init__(self, ctx: ServerContext, params: object, dim: int) -> None:
+        super().__init__(ctx, params)
+        self.table = empty_class_stats(ctx.num_classes, dim)
+
+    def broadcast(self, arch: str) -> Payload:
+        return dict(self.table)
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        self.table = aggregate_class_means([r.payload for r in replies])
+        return {f"{self.prefix}/classes_known": float(np.count_nonzero(self.table["counts"]))}
+
+    def state_dict(self) -> dict[str, object]:
+        return {"table": dict(self.table)}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        table = state["table"]
+        assert isinstance(table, Mapping)
+        self.table = {k: np.array(v) for k, v in table.items()}
