@@ -143,6 +143,8 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
 def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
     """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, extras."""
     out: dict[str, float] = {}
+    # completion order varies with workers; summing in client order keeps every bit the same
+    rows = sorted(rows, key=lambda r: r["client"])
     scored = [r for r in rows if "acc" in r]
     if scored:
         acc = np.array([r["acc"] for r in scored])

@@ -11,14 +11,9 @@ from rayfl.models.families import family_from_config
 
 pytestmark = pytest.mark.ray
 
-KEYS = (
-    "personal/acc",
-    "personal/acc_std",
-    "proxy/acc",
-    "train/loss",
-    "pfedes/kl_local_proxy",
-    "comm/bytes_up",
-)
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 def history(raw, overrides):
@@ -33,9 +28,12 @@ def test_ray_equals_serial_whatever_the_worker_count(ray_local, synthetic_raw):
     two = history(
         synthetic_raw, ["engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"]
     )
-    for a, b, c in zip(serial, one, two):
-        for key in KEYS:
-            assert a[key] == b[key] == c[key], key
+    assert "pfedes/kl_local_proxy" in serial[-1] and "personal/acc_mean" in serial[-1]
+    assert (
+        [comparable(r) for r in serial]
+        == [comparable(r) for r in one]
+        == [comparable(r) for r in two]
+    )
 
 
 def executor(raw, overrides):
