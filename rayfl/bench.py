@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
-from rayfl.config import build_config
+from rayfl.config import build_config, read_yaml
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError
 
@@ -38,7 +37,7 @@ class Bench:
 
 
 def load_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Bench:
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = read_yaml(path, "benchmark file")
     section = raw.pop("bench", None)
     if (
         not isinstance(section, dict)

@@ -137,20 +137,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
     """Validate a run, suite or sweep file; return a one-line description."""
-    import yaml
+    from rayfl.config import read_yaml
 
-    raw = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
-    if isinstance(raw, dict) and "bench" in raw:
+    raw = read_yaml(path)
+    if "bench" in raw:
         from rayfl.bench import load_bench
 
         bench = load_bench(path, list(overrides))
         return f"benchmark of {len(bench.variants)} variants"
-    if isinstance(raw, dict) and "suite" in raw:
+    if "suite" in raw:
         from rayfl.compare import load_suite
 
         suite = load_suite(path, overrides)
         return f"suite of {len(suite.runs)} runs"
-    if isinstance(raw, dict) and "sweep" in raw:
+    if "sweep" in raw:
         from rayfl.tune import load_sweep
 
         sweep = load_sweep(path, overrides)

@@ -42,9 +42,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import yaml
 
-from rayfl.config import RunConfig, build_config, parse_override
+from rayfl.config import RunConfig, build_config, parse_override, read_yaml, set_dotted
 from rayfl.errors import ConfigError, UserError, suggest
 
 log = logging.getLogger(__name__)
@@ -90,30 +89,6 @@ def _pairs(overrides: Any, key: str) -> list[tuple[list[str], Any]]:
     raise ConfigError(f"{key}: expected a mapping of dotted keys or a list of key=value strings")
 
 
-def _set(raw: dict[str, Any], path: list[str], value: Any, key: str) -> None:
-    node = raw
-    for part in path[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"{key}: {'.'.join(path)}: {part} is a value, not a section")
-        node = child
-    node[path[-1]] = value
-
-
-def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} not found: check the path")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return raw
-
-
 def _base(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
     if ("base" in raw) == ("base_file" in raw):
         raise ConfigError(
@@ -126,7 +101,7 @@ def _base(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
     target = Path(str(raw["base_file"]))
     if not target.is_absolute() and not target.is_file():
         target = path.parent / target
-    return _read_yaml(target, "base_file")
+    return read_yaml(target, "base_file")
 
 
 def _split_cli(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -248,7 +223,7 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
     from rayfl.cli import check_family
 
     path = Path(path)
-    raw = _read_yaml(path, "suite file")
+    raw = read_yaml(path, "suite file")
     unknown = [k for k in raw if k not in SUITE_KEYS]
     if unknown:
         raise ConfigError(
@@ -276,7 +251,7 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
                 )
                 run_raw["algorithm"] = dict(base_algorithm) if same else {"name": algo_name}
                 for keypath, value in [*setting_pairs, *algo_pairs]:
-                    _set(run_raw, keypath, copy.deepcopy(value), f"{label}")
+                    set_dotted(run_raw, keypath, copy.deepcopy(value), f"{label}")
                 where = f"{setting + ' / ' if setting else ''}{label}: "
                 try:
                     cfg = build_config(run_raw, cli)

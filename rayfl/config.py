@@ -231,21 +231,43 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def set_dotted(raw: dict[str, Any], path: Sequence[str], value: Any, where: str) -> None:
+    """Set `raw[a][b][c] = value` for `path` ['a', 'b', 'c'], creating sections; `where` names the
+    source (an override, a suite entry) in the error when a part is a value, not a section."""
+    node = raw
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{where}: {'.'.join(path[: i + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of the nested dict `raw` with dotted overrides applied."""
     out = _deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
-        node = out
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        set_dotted(out, path, value, f"override {text!r}")
     return out
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A YAML file whose top level is a mapping, or a ConfigError naming the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"{what} {path} not found: check the path (examples live in experiments/)"
+        )
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
 
 
 def _deepcopy(d: Any) -> Any:
@@ -320,18 +342,7 @@ def _check_explicit(algo_cfg: AlgorithmConfig, explicit: set[str]) -> None:
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a YAML experiment file and apply `key=value` overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"config file {path} not found: check the path (examples live in experiments/)"
-        )
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return build_config(raw, overrides)
+    return build_config(read_yaml(path), overrides)
 
 
 def to_dict(cfg: Any) -> Any:

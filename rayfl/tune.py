@@ -50,6 +50,8 @@ from rayfl.config import (
     build_config,
     from_dict,
     parse_override,
+    read_yaml,
+    set_dotted,
     to_dict,
 )
 from rayfl.engine.callbacks import Callback
@@ -115,7 +117,7 @@ class Sweep:
         raw = apply_overrides(self.raw, [])
         overrides = [o for o in self.overrides if _override_key(o) not in values]
         for key, value in values.items():
-            _set_dotted(raw, key, value)
+            set_dotted(raw, key.split("."), value, f"space.{key}")
         if "algorithm.name" in values:
             # build_config drops the file's settings of another algorithm only when the name
             # arrives as an override, so a swept algorithm name is passed that way too.
@@ -148,21 +150,6 @@ def _native(value: Any) -> Any:
 
 def _override_key(text: str) -> str:
     return text.split("=", 1)[0].strip()
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(
-                f"{'.'.join(parts[: i + 1])} is a value, not a section; check the key {key}"
-            )
-        node = child
-    node[parts[-1]] = value
 
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, Any], list[str]]:
@@ -274,16 +261,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
         ConfigError: An unknown or invalid key or value, naming it (`space.<key>: ...`).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"sweep file {path} not found: check the path (examples live in experiments/sweeps/)"
-        )
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping (sweep, base, space, tune)")
+    doc = read_yaml(path, "sweep file")
     for key in doc:
         if key not in SWEEP_KEYS:
             raise ConfigError(
@@ -318,12 +296,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
     space = {str(k): _check_spec(str(k), v) for k, v in space_raw.items()}
 
     base = _resolve_base(doc.get("base"), path)
-    try:
-        raw = yaml.safe_load(base.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{base} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{base}: the top level must be a mapping of sections")
+    raw = read_yaml(base, "base experiment")
     all_overrides = tuple(file_overrides) + tuple(base_ov)
     config = build_config(raw, all_overrides)
     sweep = Sweep(
