@@ -87,12 +87,17 @@ class Trainer(Protocol):
         epochs: int | None = None,
         params: Iterable[nn.Parameter] | None = None,
         lr: float | None = None,
+        split: str = "train",
+        targets: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """Train `modules` (set to train mode) for `epochs` over shuffled batches with `step`'s loss."""
+        """Train `modules` (set to train mode) for `epochs` over shuffled batches of `split` with
+        `step(x, y)`'s loss. With `targets`, the first `len(targets)` samples of the split are
+        used, each paired with its row of `targets` as `y` (distillation to per-sample scores)."""
         ...
 
     def batches(self, split: str = "train", shuffle: bool = False) -> Iterator[Batch]:
-        """Batches of this client's `train` or `test` split on the device."""
+        """Batches of this client's `train` or `test` split, or the labelled `public` split shared
+        by every client (FedMD's public set), on the device."""
         ...
 
 

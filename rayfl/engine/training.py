@@ -49,8 +49,16 @@ class ArrayBatches:
     def __len__(self) -> int:
         return len(self.y)
 
-    def iterate(self, batch_size: int, generator: torch.Generator | None = None) -> Iterator[Batch]:
-        n = len(self.y)
+    def iterate(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> Iterator[Batch]:
+        """Batches in order, or shuffled by `generator`. With `targets`, the first `len(targets)`
+        samples come paired with those per-sample targets instead of their labels."""
+        y = self.y if targets is None else targets.to(self.x.device)
+        n = len(y)
         order = (
             torch.randperm(n, generator=generator).to(self.x.device)
             if generator is not None
@@ -58,17 +66,17 @@ class ArrayBatches:
         )
         for start in range(0, n, batch_size):
             if order is None:
-                yield self.x[start : start + batch_size], self.y[start : start + batch_size]
+                yield self.x[start : start + batch_size], y[start : start + batch_size]
                 continue
             idx = order[start : start + batch_size]
             # A trailing batch of one breaks BatchNorm in train mode; its sample is seen next epoch.
             if len(idx) == 1 and n > 1:
                 continue
-            yield self.x[idx], self.y[idx]
+            yield self.x[idx], y[idx]
 
 
 class LocalTrainer:
-    """`rayfl.algorithms.base.Trainer` over one client's train/test splits."""
+    """`rayfl.algorithms.base.Trainer` over one client's train/test splits and the public split."""
 
     def __init__(
         self,
@@ -78,22 +86,28 @@ class LocalTrainer:
         settings: TrainSettings,
         device: torch.device,
         generator: torch.Generator,
+        public: Callable[[], ArrayBatches] | None = None,
     ) -> None:
         self.settings = settings
         self.device = device
         self.generator = generator
         self._dataset = dataset
         self._indices = {"train": train_idx, "test": test_idx}
+        self._public = public
         self._cache: dict[str, ArrayBatches] = {}
         self.num_samples = len(train_idx)
 
     def data(self, split: str) -> ArrayBatches:
+        if split == "public":
+            if self._public is None:
+                raise ValueError("this trainer has no public split")
+            return self._public()  # shared by the worker's clients, built once
         if split not in self._cache:
             self._cache[split] = ArrayBatches(self._dataset, self._indices[split], self.device)
         return self._cache[split]
 
     def batches(self, split: str = "train", shuffle: bool = False) -> Iterator[Batch]:
-        size = self.settings.batch_size if split == "train" else self.settings.eval_batch_size
+        size = self.settings.batch_size if shuffle else self.settings.eval_batch_size
         return self.data(split).iterate(size, self.generator if shuffle else None)
 
     def run(
@@ -103,6 +117,8 @@ class LocalTrainer:
         epochs: int | None = None,
         params: Iterable[nn.Parameter] | None = None,
         lr: float | None = None,
+        split: str = "train",
+        targets: torch.Tensor | None = None,
     ) -> dict[str, float]:
         epochs = self.settings.local_epochs if epochs is None else epochs
         for m in modules:
@@ -114,7 +130,8 @@ class LocalTrainer:
         total = torch.zeros((), device=self.device)
         count = 0
         for _ in range(epochs):
-            for x, y in self.batches("train", shuffle=True):
+            data = self.data(split)
+            for x, y in data.iterate(self.settings.batch_size, self.generator, targets):
                 loss = step(x, y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

@@ -18,7 +18,7 @@ import torch
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
-from rayfl.engine.training import LocalTrainer, evaluate_client
+from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 
 ClientMetrics = dict[str, Any]
 
@@ -32,6 +32,14 @@ class ClientRunner:
         self.device = device
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
+        self._public: ArrayBatches | None = None
+
+    def _public_batches(self) -> ArrayBatches:
+        if self._public is None:
+            self._public = ArrayBatches(
+                self.federation.dataset, self.federation.public, self.device
+            )
+        return self._public
 
     def _fresh_client(self, arch: str, client_id: int) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
@@ -84,6 +92,7 @@ class ClientRunner:
                 self.spec.train,
                 self.device,
                 torch.Generator().manual_seed(seed),
+                public=self._public_batches,
             )
             start = time.perf_counter()
             train_metrics = client.fit(trainer)
