@@ -17,7 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from rayfl.models import build_model
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -175,6 +178,19 @@ class Client:
     def modules(self) -> list[nn.Module]:
         """Every module this half owns (the engine moves them to the device and re-initializes them)."""
         return [m for m in vars(self).values() if isinstance(m, nn.Module)]
+
+
+class ModelClient(Client):
+    """A client whose personal model is one `SplitModel` of its architecture (`self.model`),
+    trained with cross-entropy unless a subclass says otherwise."""
+
+    def __init__(self, ctx: ClientContext, params: Any) -> None:
+        super().__init__(ctx, params)
+        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.persistent = {"model": self.model}
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y)
 
 
 class Server:

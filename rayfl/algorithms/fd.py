@@ -32,14 +32,13 @@ import torch.nn.functional as F
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     ServerContext,
     Trainer,
 )
 from rayfl.errors import require
-from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
@@ -51,11 +50,9 @@ class FDParams:
         require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
 
 
-class FDClient(Client):
+class FDClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
         self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
         self.global_counts = torch.zeros(ctx.num_classes)
         self.stats: Payload = {}

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
-    ClientContext,
+    ModelClient,
     NoParams,
     Payload,
     Reply,
@@ -31,17 +28,9 @@ from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
-class FedAvgClient(Client):
-    def __init__(self, ctx: ClientContext, params: object) -> None:
-        super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
-
+class FedAvgClient(ModelClient):
     def receive(self, payload: Payload) -> None:
         load_numpy(self.model, payload)
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x), y)
 
     def upload(self) -> Payload:
         return to_numpy(self.model.state_dict())

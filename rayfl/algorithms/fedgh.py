@@ -31,8 +31,8 @@ from torch import nn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     Reply,
     Server,
@@ -58,11 +58,9 @@ class FedGHParams:
         require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
 
 
-class FedGHClient(Client):
+class FedGHClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FedGHParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
         self.stats: Payload = {}
 
     def receive(self, payload: Payload) -> None:
@@ -80,9 +78,6 @@ class FedGHClient(Client):
             self.model.features, trainer.batches("train"), self.ctx.num_classes
         )
         return metrics
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x), y)
 
     def upload(self) -> Payload:
         return self.stats

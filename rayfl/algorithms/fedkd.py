@@ -35,8 +35,8 @@ from torch import nn
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     Reply,
     Server,
@@ -127,13 +127,11 @@ def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-class FedKDClient(Client):
+class FedKDClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
         self.mentee = build_model(params.mentee, ctx.in_shape, ctx.num_classes)
         self.received: Payload = {}
-        self.persistent = {"model": self.model}
 
     def receive(self, payload: Payload) -> None:
         load_numpy(self.mentee, payload)

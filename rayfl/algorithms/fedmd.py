@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     Reply,
     Server,
@@ -40,7 +40,6 @@ from rayfl.algorithms.base import (
     Trainer,
 )
 from rayfl.errors import require
-from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
@@ -75,11 +74,9 @@ def digest_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.
     return F.l1_loss(logits, target) if kind == "l1" else F.mse_loss(logits, target)
 
 
-class FedMDClient(Client):
+class FedMDClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FedMDParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
         self.consensus: torch.Tensor | None = None
         self.scores: np.ndarray | None = None
 
@@ -106,9 +103,6 @@ class FedMDClient(Client):
 
     def _digest_step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return digest_loss(self.model(x), target, self.params.digest_loss)
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x), y)
 
     @torch.no_grad()
     def _public_scores(self, trainer: Trainer) -> np.ndarray:

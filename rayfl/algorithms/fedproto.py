@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     ServerContext,
     Trainer,
@@ -45,11 +45,9 @@ class FedProtoParams:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
 
 
-class FedProtoClient(Client):
+class FedProtoClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
         self.stats: Payload = {}

@@ -27,8 +27,8 @@ from torch import nn
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     Reply,
     Server,
@@ -79,12 +79,10 @@ def mutual_losses(
     return private, meme
 
 
-class FMLClient(Client):
+class FMLClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: FMLParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
         self.meme = build_model(params.meme, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
 
     def receive(self, payload: Payload) -> None:
         load_numpy(self.meme, payload)

@@ -16,14 +16,10 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
-    ClientContext,
+    ModelClient,
     NoParams,
     Payload,
     Reply,
@@ -36,18 +32,10 @@ from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
-class LGFedAvgClient(Client):
-    def __init__(self, ctx: ClientContext, params: NoParams) -> None:
-        super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
-        self.persistent = {"model": self.model}
-
+class LGFedAvgClient(ModelClient):
     def receive(self, payload: Payload) -> None:
         # The global head replaces the local one; the private extractor is left as it was.
         load_numpy(self.model.head, payload)
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x), y)
 
     def upload(self) -> Payload:
         return to_numpy(self.model.head.state_dict())

@@ -30,8 +30,8 @@ from torch import nn
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
+    ModelClient,
     Payload,
     Reply,
     Server,
@@ -41,7 +41,6 @@ from rayfl.algorithms.base import (
     to_numpy,
 )
 from rayfl.errors import require
-from rayfl.models import build_model
 from rayfl.models.zoo import InputProxy, ProxyExtractor
 from rayfl.registry import ALGORITHMS
 
@@ -99,13 +98,11 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
     return InputProxy(in_shape[0])
 
 
-class PFedESClient(Client):
+class PFedESClient(ModelClient):
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
         self.teacher: nn.Module | None = None
-        self.persistent = {"model": self.model}
 
     def receive(self, payload: Payload) -> None:
         load_numpy(self.proxy, payload)
