@@ -228,6 +228,35 @@ class Server:
             load_numpy(module, state[name])
 
 
+class AveragingServer(Server):
+    """Broadcasts one shared module and replaces it by the sample-weighted average of the clients'
+    uploads of it: FedAvg's model, FML's meme, LG-FedAvg's head. `name` keys its state and, when
+    `scored`, its accuracy (`<name>/acc`)."""
+
+    name = "global"
+    scored = True
+
+    def __init__(self, ctx: ServerContext, params: Any, shared: nn.Module) -> None:
+        super().__init__(ctx, params)
+        self.shared = shared.to(ctx.device)
+
+    def broadcast(self, arch: str) -> Payload:
+        return to_numpy(self.shared.state_dict())
+
+    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+        from rayfl.algorithms.functional import weighted_average
+
+        avg = weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
+        load_numpy(self.shared, avg)
+        return {}
+
+    def eval_models(self) -> dict[str, nn.Module]:
+        return {self.name: self.shared} if self.scored else {}
+
+    def state_modules(self) -> dict[str, nn.Module]:
+        return {self.name: self.shared}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A registered algorithm: its halves, hyperparameters and what it needs of the federation."""

@@ -8,18 +8,12 @@ Server: sample-weighted average of the client models.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from torch import nn
-
-from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
+    AveragingServer,
     ModelClient,
     NoParams,
     Payload,
-    Reply,
-    Server,
     ServerContext,
     load_numpy,
     to_numpy,
@@ -36,21 +30,11 @@ class FedAvgClient(ModelClient):
         return to_numpy(self.model.state_dict())
 
 
-class FedAvgServer(Server):
+class FedAvgServer(AveragingServer):
     def __init__(self, ctx: ServerContext, params: object) -> None:
-        super().__init__(ctx, params)
-        self.model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes).to(ctx.device)
-
-    def broadcast(self, arch: str) -> Payload:
-        return to_numpy(self.model.state_dict())
-
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        avg = fn.weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
-        load_numpy(self.model, avg)
-        return {}
-
-    def eval_models(self) -> dict[str, nn.Module]:
-        return {"global": self.model}
+        super().__init__(
+            ctx, params, build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
+        )
 
 
 ALGORITHMS.add(

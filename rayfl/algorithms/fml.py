@@ -17,21 +17,18 @@ Server: sample-weighted average of the memes (scored on the server test set as `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
+    AveragingServer,
     ClientContext,
     ModelClient,
     Payload,
-    Reply,
-    Server,
     ServerContext,
     Trainer,
     load_numpy,
@@ -98,21 +95,11 @@ class FMLClient(ModelClient):
         return to_numpy(self.meme.state_dict())
 
 
-class FMLServer(Server):
+class FMLServer(AveragingServer):
+    name = "meme"
+
     def __init__(self, ctx: ServerContext, params: FMLParams) -> None:
-        super().__init__(ctx, params)
-        self.meme = build_model(params.meme, ctx.in_shape, ctx.num_classes).to(ctx.device)
-
-    def broadcast(self, arch: str) -> Payload:
-        return to_numpy(self.meme.state_dict())
-
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        avg = fn.weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
-        load_numpy(self.meme, avg)
-        return {}
-
-    def eval_models(self) -> dict[str, nn.Module]:
-        return {"meme": self.meme}
+        super().__init__(ctx, params, build_model(params.meme, ctx.in_shape, ctx.num_classes))
 
 
 ALGORITHMS.add(

@@ -13,17 +13,13 @@ Server: sample-weighted average of the client heads.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import Any
 
-from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
+    AveragingServer,
     ModelClient,
     NoParams,
     Payload,
-    Reply,
-    Server,
     ServerContext,
     load_numpy,
     to_numpy,
@@ -41,26 +37,14 @@ class LGFedAvgClient(ModelClient):
         return to_numpy(self.model.head.state_dict())
 
 
-class LGFedAvgServer(Server):
+class LGFedAvgServer(AveragingServer):
+    name = "head"
+    scored = False  # a head alone classifies no images
+
     def __init__(self, ctx: ServerContext, params: NoParams) -> None:
-        super().__init__(ctx, params)
         # Any architecture's head has the shape every client's has (needs_common_feature_dim).
         model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
-        self.head = copy.deepcopy(model.head).to(ctx.device)
-
-    def broadcast(self, arch: str) -> Payload:
-        return to_numpy(self.head.state_dict())
-
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        avg = fn.weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
-        load_numpy(self.head, avg)
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"head": to_numpy(self.head.state_dict())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.head, state["head"])
+        super().__init__(ctx, params, copy.deepcopy(model.head))
 
 
 ALGORITHMS.add(
