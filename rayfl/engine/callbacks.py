@@ -130,7 +130,7 @@ class RunDirectory(Callback):
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         self.artifacts += [self.run_dir / "summary.json"]
         if history:
-            write_metrics(history, self.run_dir / "metrics.parquet")
+            # metrics.parquet is already current: on_round_end rewrites it after every round.
             self.artifacts.append(self.run_dir / "metrics.parquet")
             self.artifacts.append(
                 plot_learning_curves(
