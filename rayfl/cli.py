@@ -16,48 +16,9 @@ from typing import Any
 
 from rayfl.config import RunConfig, load_config
 from rayfl.errors import UserError
+from rayfl.launch import default_run_dir, simulate
 
 log = logging.getLogger("rayfl")
-
-
-def default_run_dir(cfg: RunConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{stamp}"
-
-
-def simulate(
-    cfg: RunConfig,
-    run_dir: str | Path,
-    *,
-    progress: bool = True,
-    resume: bool = False,
-    parent_run_id: str | None = None,
-    extra_callbacks: Sequence[Any] = (),
-) -> Any:
-    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress)."""
-    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
-    from rayfl.engine.checkpoint import Checkpoint
-    from rayfl.engine.loop import Simulation
-    from rayfl.tracking import make_tracker
-
-    sim = Simulation(cfg, run_dir)
-    out = RunDirectory(run_dir)
-    tracker = make_tracker(
-        cfg.tracking.backend,
-        experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or Path(run_dir).name,
-        tracking_uri=cfg.tracking.uri,
-        parent_run_id=parent_run_id,
-    )
-    sim.callbacks = [Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume), out]
-    sim.callbacks += list(extra_callbacks)
-    sim.callbacks.append(TrackerCallback(tracker, out))
-    if progress:
-        sim.callbacks.append(ProgressBar())
-    result = sim.run()
-    result.run_dir = Path(run_dir)
-    result.tracker_run_id = getattr(tracker, "run_id", None)
-    return result
 
 
 def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
@@ -156,20 +117,10 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
         sweep = load_sweep(path, overrides)
         return f"sweep over {', '.join(sweep.space)}"
     cfg = load_config(path, overrides)
+    from rayfl.checks import check_family
+
     archs = check_family(cfg)
     return f"{cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, {len(set(archs))} architectures"
-
-
-def check_family(cfg: RunConfig) -> list[str]:
-    """Checks that need the family but no data: names, proportions, the algorithm's needs."""
-    from rayfl.engine.loop import check_algorithm_fits
-    from rayfl.models.families import family_from_config
-    from rayfl.registry import ALGORITHMS
-
-    family = family_from_config(cfg.model.family, cfg.model.architectures)
-    archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-    check_algorithm_fits(ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name"), cfg, archs)
-    return archs
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

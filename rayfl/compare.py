@@ -220,7 +220,7 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
         ConfigError: a malformed suite, an invalid run config, an algorithm override that would
             change the partition, or a family an algorithm cannot use.
     """
-    from rayfl.cli import check_family
+    from rayfl.checks import check_family
 
     path = Path(path)
     raw = read_yaml(path, "suite file")
@@ -504,7 +504,7 @@ def run_suite(
     """
     from tqdm.auto import tqdm
 
-    from rayfl.cli import simulate
+    from rayfl.launch import simulate
     from rayfl.tracking import make_tracker
     from rayfl.tracking.plots import plot_compare
 

@@ -316,7 +316,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
                 sweep.config_for({key: value})
             except ConfigError as exc:
                 raise ConfigError(f"space.{key}: {exc}") from None
-    from rayfl.cli import check_family
+    from rayfl.checks import check_family
 
     check_family(config)
     return sweep
@@ -493,7 +493,7 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
     """Tune's function trainable: one simulation, reporting after every evaluated round."""
     from ray import tune
 
-    from rayfl.cli import simulate
+    from rayfl.launch import simulate
 
     name = tune.get_context().get_trial_name()
     cfg = trial_config(job, config, name)

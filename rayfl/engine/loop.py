@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, TrainSettings
+from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
@@ -29,7 +29,6 @@ from rayfl.engine.executor import Executor, make_executor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.worker import ClientMetrics
-from rayfl.errors import ConfigError
 from rayfl.models.families import family_from_config
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
@@ -75,42 +74,6 @@ def prepare_federation(cfg: RunConfig) -> Federation:
         public_fraction=cfg.data.public_fraction,
         train_samples=cfg.data.train_samples,
     )
-
-
-def check_algorithm_fits(
-    algo: Algorithm,
-    cfg: RunConfig,
-    archs: Sequence[str],
-    feature_dims: Mapping[str, int] | None = None,
-    public_size: int | None = None,
-) -> None:
-    """Refuse algorithm/family/data combinations that cannot work, naming the fix.
-
-    Without `feature_dims` / `public_size` (no data loaded yet, as in `rayfl validate`) the
-    checks that need them are made from the config alone.
-    """
-    family = cfg.model.family if cfg.model.architectures is None else "custom"
-    distinct = sorted(set(archs))
-    if algo.needs_homogeneous and len(distinct) > 1:
-        raise ConfigError(
-            f"algorithm.name={algo.name} averages whole models and needs one architecture, but model.family="
-            f"{family} has {', '.join(distinct)}; use a homogeneous family (e.g. model.architectures=[cnn_small])"
-        )
-    if (
-        algo.needs_common_feature_dim
-        and feature_dims is not None
-        and len({feature_dims[a] for a in distinct}) > 1
-    ):
-        raise ConfigError(
-            f"algorithm.name={algo.name} shares heads/prototypes and needs one feature size, but model.family="
-            f"{family} has feature sizes {dict(feature_dims)}; pick a family with a common feature size (seed3, cnn5)"
-        )
-    if algo.needs_public and (cfg.data.public_fraction <= 0 or public_size == 0):
-        raise ConfigError(
-            f"algorithm.name={algo.name} needs a public/distillation split; set data.public_fraction (e.g. 0.1)"
-        )
-    if algo.check_archs is not None:
-        algo.check_archs(distinct, cfg.algorithm.params)
 
 
 def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSpec:

@@ -1,0 +1,55 @@
+"""Building and running one simulation from a config: the one road that `rayfl run`, suites,
+sweeps and benchmarks take. The CLI only parses arguments and prints what this returns.
+
+Ray and the engine are imported inside the functions that need them, so importing this module
+(as `rayfl validate` does) starts and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rayfl.config import RunConfig
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{stamp}"
+
+
+def simulate(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    resume: bool = False,
+    parent_run_id: str | None = None,
+    extra_callbacks: Sequence[Any] = (),
+) -> Any:
+    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress)."""
+    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
+    from rayfl.engine.checkpoint import Checkpoint
+    from rayfl.engine.loop import Simulation
+    from rayfl.tracking import make_tracker
+
+    sim = Simulation(cfg, run_dir)
+    out = RunDirectory(run_dir)
+    tracker = make_tracker(
+        cfg.tracking.backend,
+        experiment=cfg.tracking.experiment,
+        run_name=cfg.tracking.run_name or Path(run_dir).name,
+        tracking_uri=cfg.tracking.uri,
+        parent_run_id=parent_run_id,
+    )
+    sim.callbacks = [Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume), out]
+    sim.callbacks += list(extra_callbacks)
+    sim.callbacks.append(TrackerCallback(tracker, out))
+    if progress:
+        sim.callbacks.append(ProgressBar())
+    result = sim.run()
+    result.run_dir = Path(run_dir)
+    result.tracker_run_id = getattr(tracker, "run_id", None)
+    return result
