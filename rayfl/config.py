@@ -98,6 +98,20 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """What personalized accuracy measures (README, "Metrics").
+
+    `deployed` (the field's protocol: HtFLlib, PFLlib, FL-bench): every `engine.eval_every`
+    rounds, after the server step, every client (participant or not, with its last state; a
+    client never trained with its initial weights) scores the model it would deploy now, given
+    the server's new broadcast. `after_fit`: the round's participants right after local training,
+    with what they hold then (cheaper; rayfl's protocol before 2026-12).
+    """
+
+    protocol: Literal["deployed", "after_fit"] = "deployed"
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     backend: Literal["mlflow", "stdout", "none"] = "mlflow"
     experiment: str = "rayfl"
@@ -120,6 +134,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,14 +19,17 @@ def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def make_optimizer(
-    params: Iterable[nn.Parameter], settings: TrainSettings, lr: float | None = None
+    params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+    settings: TrainSettings,
+    lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    params = list(params)
+    """The configured optimizer over `params` (parameters, or torch parameter-group dicts)."""
+    groups: Any = list(params)
     lr = settings.lr if lr is None else lr
     if settings.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=settings.weight_decay)
+        return torch.optim.Adam(groups, lr=lr, weight_decay=settings.weight_decay)
     return torch.optim.SGD(
-        params, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
+        groups, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
     )
 
 
@@ -119,6 +123,7 @@ class LocalTrainer:
         lr: float | None = None,
         split: str = "train",
         targets: torch.Tensor | None = None,
+        module_lrs: Sequence[float | None] | None = None,
     ) -> dict[str, float]:
         epochs = self.settings.local_epochs if epochs is None else epochs
         for m in modules:
@@ -126,7 +131,20 @@ class LocalTrainer:
         if params is None:
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
         params = list(params)
-        optimizer = make_optimizer(params, self.settings, lr)
+        groups = per_module(params, modules)
+        clip_groups = [g for g in groups if g]
+        if module_lrs is None:
+            optimizer = make_optimizer(params, self.settings, lr)
+        else:
+            base = self.settings.lr if lr is None else lr
+            if len(module_lrs) != len(modules):
+                raise ValueError("module_lrs must have one entry per module")
+            rates = [*module_lrs, None]  # parameters outside every module train at `lr`
+            optimizer = make_optimizer(
+                [{"params": g, "lr": base if r is None else r} for g, r in zip(groups, rates) if g],
+                self.settings,
+                base,
+            )
         total = torch.zeros((), device=self.device)
         count = 0
         for _ in range(epochs):
@@ -136,11 +154,26 @@ class LocalTrainer:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.settings.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+                    for group in clip_groups:
+                        nn.utils.clip_grad_norm_(group, self.settings.grad_clip)
                 optimizer.step()
                 total += loss.detach() * len(y)
                 count += len(y)
         return {"loss": float(total) / count if count else float("nan")}
+
+
+def per_module(
+    params: Sequence[nn.Parameter], modules: Sequence[nn.Module]
+) -> list[list[nn.Parameter]]:
+    """`params` grouped by the module of `modules` that owns them (the first one, in order): one
+    group per module, aligned with `modules` (possibly empty), then the group of parameters no
+    module owns. Gradient clipping is applied per group: a client that trains two models at once
+    (pFedES's local model and proxy, FML's pair) clips each model's gradient on its own, so one
+    model's gradient never rescales the other's step."""
+    remaining = {id(p): p for p in params}
+    groups = [[remaining.pop(id(p)) for p in m.parameters() if id(p) in remaining] for m in modules]
+    groups.append(list(remaining.values()))
+    return groups
 
 
 @torch.no_grad()
@@ -155,11 +188,15 @@ def accuracy(model: nn.Module, batches: Iterable[Batch]) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate_client(client: Client, trainer: LocalTrainer) -> dict[str, float]:
-    """Personalized accuracy on the client's own test split, plus the algorithm's extra metrics."""
+def evaluate_client(
+    client: Client, trainer: LocalTrainer, model: nn.Module | None = None
+) -> dict[str, float]:
+    """Personalized accuracy of `model` (default: `client.eval_model()`) on the client's own test
+    split, plus the algorithm's extra metrics."""
     for m in client.modules():
         m.eval()
-    model = client.eval_model()
+    model = client.eval_model() if model is None else model
+    model.eval()
     correct = total = 0
     extra: dict[str, float] = {}
     for x, y in trainer.batches("test"):

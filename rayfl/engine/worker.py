@@ -17,7 +17,7 @@ import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
+from rayfl.engine.spec import EVAL, INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 
 ClientMetrics = dict[str, Any]
@@ -51,6 +51,52 @@ class ClientRunner:
         self._clients[arch] = client
         return client
 
+    def _load(self, client_id: int, state: Payload | None) -> Client:
+        """The cached client half of this client's architecture holding its state (a client
+        without state yet gets its initial weights)."""
+        arch = self.spec.archs[client_id]
+        if state is None:
+            return self._fresh_client(arch, client_id)
+        client = self._clients.get(arch) or self._fresh_client(arch, client_id)
+        client.load_state_dict(state)
+        return client
+
+    def _trainer(self, client_id: int, seed: int) -> LocalTrainer:
+        split = self.federation.clients[client_id]
+        return LocalTrainer(
+            self.federation.dataset,
+            split.train,
+            split.test,
+            self.spec.train,
+            self.device,
+            torch.Generator().manual_seed(seed),
+            public=self._public_batches,
+        )
+
+    def evaluate(
+        self,
+        round_idx: int,
+        client_ids: Sequence[int],
+        payloads: Mapping[str, Payload],
+        states: Sequence[Payload | None],
+    ) -> list[ClientMetrics]:
+        """Score each client's deployed model (`Client.deployed_model`) given `payloads`, the
+        server's broadcast after this round's step, on its test split. States are read, never
+        written back: evaluation leaves every client as it was."""
+        with torch_threads(self.spec.num_threads):
+            rows: list[ClientMetrics] = []
+            for cid, state in zip(client_ids, states):
+                arch = self.spec.archs[cid]
+                client = self._load(cid, state)
+                seed = derive_seed(self.spec.seed, round_idx, cid, EVAL)
+                torch.manual_seed(seed)
+                trainer = self._trainer(cid, seed)
+                model = client.deployed_model(payloads.get(arch, {}))
+                row: ClientMetrics = {"client": cid, "arch": arch}
+                row.update(evaluate_client(client, trainer, model))
+                rows.append(row)
+            return rows
+
     def fit(
         self,
         round_idx: int,
@@ -76,24 +122,11 @@ class ClientRunner:
         new_states: list[Payload] = []
         for cid, state in zip(client_ids, states):
             arch = self.spec.archs[cid]
-            if state is None:
-                client = self._fresh_client(arch, cid)
-            else:
-                client = self._clients.get(arch) or self._fresh_client(arch, cid)
-                client.load_state_dict(state)
+            client = self._load(cid, state)
             seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
             torch.manual_seed(seed)
             client.receive(payloads.get(arch, {}))
-            split = self.federation.clients[cid]
-            trainer = LocalTrainer(
-                self.federation.dataset,
-                split.train,
-                split.test,
-                self.spec.train,
-                self.device,
-                torch.Generator().manual_seed(seed),
-                public=self._public_batches,
-            )
+            trainer = self._trainer(cid, seed)
             start = time.perf_counter()
             train_metrics = client.fit(trainer)
             train_s = time.perf_counter() - start
@@ -135,6 +168,17 @@ class ClientWorker:
             round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
         )
         return (metrics, replies, *new_states)
+
+    def evaluate(
+        self,
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        *states: Payload | None,
+    ) -> list[ClientMetrics]:
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
 
     def info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
