@@ -35,7 +35,9 @@ class Executor(ABC):
     spec: RunSpec
 
     @abstractmethod
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
         """Payload sizes and handles, one per architecture among this round's clients."""
 
     @abstractmethod
@@ -78,8 +80,10 @@ class SerialExecutor(Executor):
         self.server = ServerRunner(spec, federation, device)
         self.states: dict[int, Payload] = {}
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
-        sizes, payloads = self.server.broadcast(archs)
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        sizes, payloads = self.server.broadcast(round_idx, archs)
         return sizes, dict(zip(archs, payloads))
 
     def fit(
@@ -199,8 +203,12 @@ class RayExecutor(Executor):
     def worker_info(self) -> list[dict[str, Any]]:
         return ray.get([w.info.remote() for w in self.workers])
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
-        refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(list(archs))
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(
+            round_idx, list(archs)
+        )
         return ray.get(refs[0]), dict(zip(archs, refs[1:]))
 
     def fit(

@@ -100,6 +100,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
+        rounds=e.rounds,
     )
 
 
@@ -202,7 +203,7 @@ class Simulation:
         evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
         clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
         archs = sorted({self.archs[c] for c in clients})
-        sizes, payloads = ex.broadcast(archs)
+        sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
         server_start = time.perf_counter()
