@@ -37,6 +37,9 @@ class RunSpec:
     num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
+    local_baseline: bool = (
+        False  # also train a local-only shadow of each client (eval.local_baseline)
+    )
 
     @property
     def algo(self) -> Algorithm:
