@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Any
 from rayfl.config import RunConfig, load_config
 from rayfl.errors import UserError
 from rayfl.launch import default_run_dir, simulate
+from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")
 
@@ -281,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    # MLflow's source tag; Ray workers and Tune trials inherit it
+    os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -34,13 +34,14 @@ def simulate(
     from rayfl.engine.checkpoint import Checkpoint
     from rayfl.engine.loop import Simulation
     from rayfl.tracking import make_tracker
+    from rayfl.tracking.provenance import run_name_for
 
     sim = Simulation(cfg, run_dir)
     out = RunDirectory(run_dir)
     tracker = make_tracker(
         cfg.tracking.backend,
         experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or Path(run_dir).name,
+        run_name=cfg.tracking.run_name or run_name_for(cfg),
         tracking_uri=cfg.tracking.uri,
         parent_run_id=parent_run_id,
     )

@@ -195,6 +195,20 @@ def write_metrics(history: list[dict[str, float]], path: Path) -> None:
     tmp.replace(path)
 
 
+def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
+    """(name, context, inputs, labels) of the data a run uses: every sample some client holds
+    (train and local test splits) and the server's test set."""
+    import numpy as np
+
+    fed = sim.federation
+    used = np.sort(np.concatenate([np.concatenate([c.train, c.test]) for c in fed.clients]))
+    ds, name = fed.dataset, sim.cfg.data.dataset
+    return [
+        (f"{name}-clients-{len(used)}", "train", ds.x_train[used], ds.y_train[used]),
+        (f"{name}-test-{len(ds.y_test)}", "test", ds.x_test, ds.y_test),
+    ]
+
+
 class TrackerCallback(Callback):
     """Sends config, per-round metrics and the run directory's artifacts to a `Tracker` (MLflow)."""
 
@@ -205,11 +219,22 @@ class TrackerCallback(Callback):
     def on_run_start(self, sim: Simulation) -> None:
         self.tracker.log_config(to_dict(sim.cfg))
         self.tracker.set_tags(
-            {"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset}
+            {
+                "algorithm": sim.cfg.algorithm.name,
+                "dataset": sim.cfg.data.dataset,
+                "rayfl.config_name": sim.cfg.name,
+            }
         )
+        log_dataset = getattr(self.tracker, "log_dataset", None)
+        if log_dataset is not None:
+            for name, context, x, y in dataset_views(sim):
+                log_dataset(name, x, y, context, source=sim.cfg.data.root or sim.cfg.data.dataset)
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=round_idx)
+        # `round` is the step and `clients` the count of replies: bookkeeping, not results
+        self.tracker.log_metrics(
+            {k: v for k, v in metrics.items() if k not in ("round", "clients")}, step=round_idx
+        )
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
         if self.run_dir is not None:
