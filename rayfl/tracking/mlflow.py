@@ -139,12 +139,12 @@ def dataset_input(
 ) -> Any:
     """An `mlflow.entities.DatasetInput` for numpy arrays, with MLflow's content digest and the
     `mlflow.data.context` tag (train, test, ...)."""
-    import mlflow.data
+    from mlflow.data.numpy_dataset import from_numpy
     from mlflow.entities import DatasetInput, InputTag
 
     with warnings.catch_warnings():  # "source can be interpreted in multiple ways": a local path
         warnings.simplefilter("ignore", UserWarning)
-        dataset = mlflow.data.from_numpy(features, source=source, targets=targets, name=name)
+        dataset = from_numpy(features, source=source, targets=targets, name=name)  # type: ignore[arg-type]
     return DatasetInput(
         dataset=dataset._to_mlflow_entity(),
         tags=[InputTag(key="mlflow.data.context", value=context)],
