@@ -109,6 +109,16 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """What the engine scores besides the algorithm's own metrics."""
+
+    # Also train a plain cross-entropy copy of every client's model (same initial weights, seeds
+    # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
+    # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
+    local_baseline: bool = False
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str
     params: Any  # the algorithm's own frozen Params dataclass instance
@@ -124,6 +134,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- ranges

@@ -43,6 +43,9 @@ class RunSpec:
     num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
+    local_baseline: bool = (
+        False  # also train a local-only shadow of each client (eval.local_baseline)
+    )
     rounds: int = 1  # engine.rounds: the schedule's length every round hook sees
 
     def round_context(self, round_idx: int) -> RoundContext:

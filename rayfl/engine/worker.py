@@ -19,8 +19,10 @@ from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
+from rayfl.registry import ALGORITHMS
 
 ClientMetrics = dict[str, Any]
+BASELINE = "baseline/"  # prefix of the local-only shadow's keys in a client's state
 
 
 class ClientRunner:
@@ -32,6 +34,7 @@ class ClientRunner:
         self.device = device
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
+        self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -41,15 +44,37 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int) -> Client:
+    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
         torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
-        client = self._algo.client(self.spec.client_context(arch, self.device), self.spec.params)
+        if algorithm is None:
+            client = self._algo.client(
+                self.spec.client_context(arch, self.device), self.spec.params
+            )
+            self._clients[arch] = client
+        else:
+            algo = ALGORITHMS.get(algorithm)
+            client = algo.client(self.spec.client_context(arch, self.device), algo.params())
+            self._shadows[arch] = client
         for module in client.modules():
             module.to(self.device)
-        self._clients[arch] = client
         return client
+
+    def _trainer(self, round_idx: int, cid: int) -> LocalTrainer:
+        """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
+        seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
+        torch.manual_seed(seed)
+        split = self.federation.clients[cid]
+        return LocalTrainer(
+            self.federation.dataset,
+            split.train,
+            split.test,
+            self.spec.train,
+            self.device,
+            torch.Generator().manual_seed(seed),
+            public=self._public_batches,
+        )
 
     def fit(
         self,
@@ -81,19 +106,8 @@ class ClientRunner:
             else:
                 client = self._clients.get(arch) or self._fresh_client(arch, cid)
                 client.load_state_dict(state)
-            seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
-            torch.manual_seed(seed)
+            trainer = self._trainer(round_idx, cid)
             client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
-            split = self.federation.clients[cid]
-            trainer = LocalTrainer(
-                self.federation.dataset,
-                split.train,
-                split.test,
-                self.spec.train,
-                self.device,
-                torch.Generator().manual_seed(seed),
-                public=self._public_batches,
-            )
             start = time.perf_counter()
             train_metrics = client.fit(trainer)
             train_s = time.perf_counter() - start
@@ -108,10 +122,45 @@ class ClientRunner:
             }
             if evaluate:
                 row.update(evaluate_client(client, trainer))
+            new_state = client.state_dict()
+            if self.spec.local_baseline:
+                row["train_s"] += self._fit_baseline(
+                    round_idx, cid, state, new_state, row, evaluate
+                )
             metrics.append(row)
             replies.append(Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)))
-            new_states.append(client.state_dict())
+            new_states.append(new_state)
         return metrics, replies, new_states
+
+    def _fit_baseline(
+        self,
+        round_idx: int,
+        cid: int,
+        state: Payload | None,
+        new_state: Payload,
+        row: ClientMetrics,
+        evaluate: bool,
+    ) -> float:
+        """Train the client's local-only shadow exactly as `algorithm.name=local` would (same
+        initial weights, seeds and batches); its state travels in the client's own state under
+        `baseline/`, and `row["baseline_acc"]` gets its accuracy. Returns the seconds it took."""
+        arch = self.spec.archs[cid]
+        shadow_state = {
+            k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)
+        }
+        if not shadow_state:
+            shadow = self._fresh_client(arch, cid, algorithm="local")
+        else:
+            shadow = self._shadows.get(arch) or self._fresh_client(arch, cid, algorithm="local")
+            shadow.load_state_dict(shadow_state)
+        trainer = self._trainer(round_idx, cid)
+        start = time.perf_counter()
+        shadow.fit(trainer)
+        seconds = time.perf_counter() - start
+        if evaluate:
+            row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
+        new_state.update({BASELINE + k: v for k, v in shadow.state_dict().items()})
+        return seconds
 
 
 class ClientWorker:
