@@ -40,6 +40,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -128,7 +129,7 @@ def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-class FedKDClient(ModelClient):
+class FedKDClient(ModelClient[FedKDParams]):
     def __init__(self, ctx: ClientContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
         archs = ctx.family_archs or (ctx.arch,)
@@ -136,7 +137,7 @@ class FedKDClient(ModelClient):
         self.mentee = build_model(mentee, ctx.in_shape, ctx.num_classes)
         self.received: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.mentee, payload)
         self.received = to_numpy(self.mentee.state_dict())
 
@@ -154,16 +155,16 @@ class FedKDClient(ModelClient):
         return svd_compress(update, self.params.svd_energy)
 
 
-class FedKDServer(Server):
+class FedKDServer(Server[FedKDParams]):
     def __init__(self, ctx: ServerContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
         mentee = shared_arch(params.mentee, ctx.architectures, ctx.in_shape, ctx.num_classes)
         self.mentee = build_model(mentee, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.mentee.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         updates = [svd_decompress(r.payload) for r in replies]
         avg = fn.weighted_average(updates, [r.num_samples for r in replies])
         current = to_numpy(self.mentee.state_dict())

@@ -32,6 +32,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     ModelClient,
     Payload,
+    RoundContext,
     ServerContext,
     Trainer,
 )
@@ -51,14 +52,14 @@ class FedProtoParams:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
 
 
-class FedProtoClient(ModelClient):
+class FedProtoClient(ModelClient[FedProtoParams]):
     def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
         self.stats: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ class FedProtoClient(ModelClient):
         return self.model
 
 
-class FedProtoServer(protos.ClassTableServer):
+class FedProtoServer(protos.ClassTableServer[FedProtoParams]):
     prefix = "fedproto"
 
     def __init__(self, ctx: ServerContext, params: FedProtoParams) -> None:

@@ -42,6 +42,7 @@ from rayfl.algorithms.base import (
     Algorithm,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     ServerData,
@@ -83,7 +84,7 @@ class FedTGPParams:
         )
 
 
-class FedTGPClient(FedProtoClient):
+class FedTGPClient(FedProtoClient):  # FedTGPParams has FedProto's fields (lam, predict)
     """FedProto's client: CE plus the distance to the received (trained) global prototypes."""
 
 
@@ -135,7 +136,7 @@ def acl_loss(
     return F.cross_entropy(-dist, labels)
 
 
-class FedTGPServer(Server):
+class FedTGPServer(Server[FedTGPParams]):
     def __init__(self, ctx: ServerContext, params: FedTGPParams) -> None:
         super().__init__(ctx, params)
         dim = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes).feature_dim
@@ -147,20 +148,20 @@ class FedTGPServer(Server):
         self.pairs: tuple[np.ndarray, np.ndarray] | None = None
         self.margin = 0.0
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return dict(self.table)
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         self.pairs = protos.prototype_pairs([r.payload for r in replies])
         if len(self.pairs[1]) == 0:
             return {}
         self.margin, _ = adaptive_margin(*self.pairs, self.params.margin_threshold)
         return {"fedtgp/margin": self.margin}
 
-    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+    def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         if self.pairs is None or len(self.pairs[1]) == 0:
             return {}
-        p: FedTGPParams = self.params
+        p = self.params
         device = self.ctx.device
         x = torch.as_tensor(self.pairs[0], device=device)
         y = torch.as_tensor(self.pairs[1], device=device)

@@ -41,6 +41,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -140,12 +141,10 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
     return VARIANTS[params.variant].proxy(params, in_shape, num_classes)
 
 
-class PFedESClient(ModelClient):
+class PFedESClient(ModelClient[PFedESParams]):
     """What every variant shares: a private local model, a proxy that travels, and a frozen copy
     of the global proxy received this round (`self.received`). `PFedESClient(ctx, params)`
     returns the client class of `params.variant`."""
-
-    params: PFedESParams
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is PFedESClient:  # (ctx, params): dispatch on params.variant
@@ -158,7 +157,7 @@ class PFedESClient(ModelClient):
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
         self.received = copy.deepcopy(self.proxy).eval().requires_grad_(False)
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.proxy, payload)
         # kept before local training: the metrics compare with what the federation sent
         load_numpy(self.received, payload)
@@ -183,8 +182,8 @@ class PFedESKDClient(PFedESClient):
         super().__init__(ctx, params)
         self.teacher: nn.Module | None = None
 
-    def receive(self, payload: Payload) -> None:
-        super().receive(payload)
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        super().receive(payload, rnd)
         self.teacher = self.received if self.params.beta > 0 else None
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
@@ -247,11 +246,9 @@ class PFedESInputClient(PFedESClient):
         return self.model(self.received(x))
 
 
-class PFedESServer(Server):
+class PFedESServer(Server[PFedESParams]):
     """Sample-weighted proxy average (optional weight cap, update clipping, EMA).
     `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
-
-    params: PFedESParams
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is PFedESServer:  # (ctx, params): dispatch on params.variant
@@ -263,10 +260,10 @@ class PFedESServer(Server):
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.proxy.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         p = self.params
         current = to_numpy(self.proxy.state_dict())
         updates = [fn.subtract(r.payload, current) for r in replies]
@@ -274,7 +271,7 @@ class PFedESServer(Server):
             updates = [fn.clip_update(u, p.clip_update) for u in updates]
         weights = fn.normalized_weights([r.num_samples for r in replies], cap=p.weight_cap)
         aggregated = fn.add(current, fn.weighted_average(updates, weights))
-        if p.ema is not None and round_idx % p.ema_every == 0:
+        if p.ema is not None and rnd.index % p.ema_every == 0:
             aggregated = fn.ema(current, aggregated, p.ema)
         load_numpy(self.proxy, aggregated)
         return {}

@@ -19,8 +19,10 @@ from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import EVAL, INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
+from rayfl.registry import ALGORITHMS
 
 ClientMetrics = dict[str, Any]
+BASELINE = "baseline/"  # prefix of the local-only shadow's keys in a client's state
 
 
 class ClientRunner:
@@ -32,6 +34,7 @@ class ClientRunner:
         self.device = device
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
+        self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -41,28 +44,39 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int) -> Client:
+    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
         torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
-        client = self._algo.client(self.spec.client_context(arch, self.device), self.spec.params)
+        if algorithm is None:
+            client = self._algo.client(
+                self.spec.client_context(arch, self.device), self.spec.params
+            )
+            self._clients[arch] = client
+        else:
+            algo = ALGORITHMS.get(algorithm)
+            client = algo.client(self.spec.client_context(arch, self.device), algo.params())
+            self._shadows[arch] = client
         for module in client.modules():
             module.to(self.device)
-        self._clients[arch] = client
         return client
 
-    def _load(self, client_id: int, state: Payload | None) -> Client:
-        """The cached client half of this client's architecture holding its state (a client
-        without state yet gets its initial weights)."""
+    def _load(self, client_id: int, state: Payload | None, algorithm: str | None = None) -> Client:
+        """The cached client half of this client's architecture holding `state` (a client
+        without state yet gets its initial weights); `algorithm` names a shadow's algorithm."""
         arch = self.spec.archs[client_id]
+        cache = self._clients if algorithm is None else self._shadows
         if state is None:
-            return self._fresh_client(arch, client_id)
-        client = self._clients.get(arch) or self._fresh_client(arch, client_id)
+            return self._fresh_client(arch, client_id, algorithm)
+        client = cache.get(arch) or self._fresh_client(arch, client_id, algorithm)
         client.load_state_dict(state)
         return client
 
-    def _trainer(self, client_id: int, seed: int) -> LocalTrainer:
-        split = self.federation.clients[client_id]
+    def _trainer(self, round_idx: int, cid: int, purpose: int = TRAIN) -> LocalTrainer:
+        """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
+        seed = derive_seed(self.spec.seed, round_idx, cid, purpose)
+        torch.manual_seed(seed)
+        split = self.federation.clients[cid]
         return LocalTrainer(
             self.federation.dataset,
             split.train,
@@ -81,19 +95,22 @@ class ClientRunner:
         states: Sequence[Payload | None],
     ) -> list[ClientMetrics]:
         """Score each client's deployed model (`Client.deployed_model`) given `payloads`, the
-        server's broadcast after this round's step, on its test split. States are read, never
-        written back: evaluation leaves every client as it was."""
+        server's broadcast after round `round_idx`'s step, on its test split (and, with
+        `eval.local_baseline`, its local-only shadow). States are read, never written back:
+        evaluation leaves every client as it was."""
+        rnd = self.spec.round_context(round_idx)
         with torch_threads(self.spec.num_threads):
             rows: list[ClientMetrics] = []
             for cid, state in zip(client_ids, states):
                 arch = self.spec.archs[cid]
                 client = self._load(cid, state)
-                seed = derive_seed(self.spec.seed, round_idx, cid, EVAL)
-                torch.manual_seed(seed)
-                trainer = self._trainer(cid, seed)
-                model = client.deployed_model(payloads.get(arch, {}))
+                trainer = self._trainer(round_idx, cid, EVAL)
+                model = client.deployed_model(payloads.get(arch, {}), rnd)
                 row: ClientMetrics = {"client": cid, "arch": arch}
                 row.update(evaluate_client(client, trainer, model))
+                if self.spec.local_baseline:
+                    shadow = self._load(cid, _shadow_state(state), algorithm="local")
+                    row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
                 rows.append(row)
             return rows
 
@@ -123,10 +140,8 @@ class ClientRunner:
         for cid, state in zip(client_ids, states):
             arch = self.spec.archs[cid]
             client = self._load(cid, state)
-            seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
-            torch.manual_seed(seed)
-            client.receive(payloads.get(arch, {}))
-            trainer = self._trainer(cid, seed)
+            trainer = self._trainer(round_idx, cid)
+            client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
             start = time.perf_counter()
             train_metrics = client.fit(trainer)
             train_s = time.perf_counter() - start
@@ -141,10 +156,43 @@ class ClientRunner:
             }
             if evaluate:
                 row.update(evaluate_client(client, trainer))
+            new_state = client.state_dict()
+            if self.spec.local_baseline:
+                row["train_s"] += self._fit_baseline(
+                    round_idx, cid, state, new_state, row, evaluate
+                )
             metrics.append(row)
             replies.append(Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)))
-            new_states.append(client.state_dict())
+            new_states.append(new_state)
         return metrics, replies, new_states
+
+    def _fit_baseline(
+        self,
+        round_idx: int,
+        cid: int,
+        state: Payload | None,
+        new_state: Payload,
+        row: ClientMetrics,
+        evaluate: bool,
+    ) -> float:
+        """Train the client's local-only shadow exactly as `algorithm.name=local` would (same
+        initial weights, seeds and batches); its state travels in the client's own state under
+        `baseline/`, and `row["baseline_acc"]` gets its accuracy. Returns the seconds it took."""
+        shadow = self._load(cid, _shadow_state(state), algorithm="local")
+        trainer = self._trainer(round_idx, cid)
+        start = time.perf_counter()
+        shadow.fit(trainer)
+        seconds = time.perf_counter() - start
+        if evaluate:
+            row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
+        new_state.update({BASELINE + k: v for k, v in shadow.state_dict().items()})
+        return seconds
+
+
+def _shadow_state(state: Payload | None) -> Payload | None:
+    """The local-only shadow's part of a client's state (None before its first round)."""
+    shadow = {k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)}
+    return shadow or None
 
 
 class ClientWorker:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
 from rayfl.algorithms.fedtgp import (
     FedTGPClient,
     FedTGPParams,
@@ -17,6 +17,7 @@ from rayfl.algorithms.fedtgp import (
 from rayfl.algorithms.protos import NearestPrototype
 from rayfl.errors import ConfigError
 
+RND = RoundContext(1, 2)
 SHAPE = (1, 8, 8)
 CPU = torch.device("cpu")
 
@@ -60,17 +61,17 @@ def reply(cid, means, counts):
 def test_server_trains_one_separable_prototype_per_class():
     torch.manual_seed(0)
     s = server(server_epochs=60)
-    first = s.broadcast("tiny_a")
+    first = s.broadcast("tiny_a", RND)
     assert (first["counts"] == 0).all()  # nothing known before the first update
     rng = np.random.default_rng(0)
     centers = np.eye(3, 16, dtype=np.float32) * 3.0
     r0 = reply(0, centers + 0.1 * rng.standard_normal((3, 16)), [5, 5, 0])
     r1 = reply(1, centers + 0.1 * rng.standard_normal((3, 16)), [0, 4, 6])
-    metrics = s.aggregate([r0, r1], round_idx=1)
+    metrics = s.aggregate([r0, r1], RND)
     assert metrics["fedtgp/margin"] > 0
-    out = s.update(None, round_idx=1)  # type: ignore[arg-type]  (the server uses no data)
+    out = s.update(None, RND)  # type: ignore[arg-type]  (the server uses no data)
     assert np.isfinite(out["fedtgp/server_loss"])
-    table = s.broadcast("tiny_a")
+    table = s.broadcast("tiny_a", RND)
     assert table["means"].shape == (3, 16) and (table["counts"] == 1).all()
     # every uploaded prototype's nearest global prototype is its own class
     for c in range(3):
@@ -78,7 +79,7 @@ def test_server_trains_one_separable_prototype_per_class():
         assert int(d.argmin()) == c
     restored = server()
     restored.load_state_dict(s.state_dict())
-    np.testing.assert_array_equal(restored.broadcast("tiny_a")["means"], table["means"])
+    np.testing.assert_array_equal(restored.broadcast("tiny_a", RND)["means"], table["means"])
 
 
 def test_client_predicts_by_nearest_prototype_and_params_are_checked():

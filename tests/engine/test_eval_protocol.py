@@ -51,9 +51,10 @@ def test_deployed_lg_fedavg_scores_the_received_head(synthetic_raw):
     sim, history = simulate(synthetic_raw, ["engine.rounds=1"])
     assert history[-1]["eval/clients"] == 6.0
     runner = sim.executor.runner  # serial executor: the in-process runner
-    payload = sim.executor.server.server.broadcast("tiny_a")
+    rnd = sim.spec.round_context(1)
+    payload = sim.executor.server.server.broadcast("tiny_a", rnd)
     client = runner._load(0, sim.executor.states[0])
-    model = client.deployed_model(payload)
+    model = client.deployed_model(payload, rnd)
     for key, value in payload.items():
         np.testing.assert_array_equal(model.head.state_dict()[key.removeprefix("head.")], value)
 
