@@ -214,42 +214,75 @@ class RayExecutor(Executor):
             self._server_cls: Any = ray.remote(ServerActor).options(
                 num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
             )
-            server: Any = self._server_cls.remote(spec, self._federation_ref)
-            self.server = server
-            self._wait_started([w.info.remote() for w in self.workers] + [server.device.remote()])
+            # The server state after the last finished server step, as an object the driver
+            # owns (it outlives the server actor): a restarted server starts from it. None: a
+            # fresh server is identical (it is built from the seed).
+            self._server_state: Any = None
+            self.server: Any = None
+            self._server_ready: Any = None
+            self._new_server()
+            self._await_started()
         except BaseException:
             self.close()
             raise
         self.states: dict[int, ray.ObjectRef] = {}
-        # The server state after the last finished server step, as an object the driver owns
-        # (it outlives the server actor): a restarted server starts from it. None: a fresh server
-        # is identical (it is built from the seed).
-        self._server_state: Any = None
         log.info("Ray executor: %d workers", self.num_workers)
 
-    def _wait_started(self, refs: list[Any]) -> None:
-        timeout = self.cfg.engine.startup_timeout_s
-        try:
-            ray_get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(
-                f"the Ray workers and server did not start within engine.startup_timeout_s={timeout:g} s "
-                "(the cluster lacks free resources or is overloaded; `ray status` shows them); "
-                "raise engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
-            ) from None
-
-    def _restart_server(self, why: str) -> None:
-        """Replace a dead server actor by a new one holding the last round's server state."""
-        log.warning("%s: the server actor died; restarting it from the last server state", why)
+    def _new_server(self) -> None:
         with suppress(Exception):
-            ray.kill(self.server)
-        self.server = self._server_cls.remote(self.spec, self._federation_ref)
-        self._wait_started([self.server.device.remote()])
-        if self._server_state is not None:
-            ray_get(self.server.load_state_dict.remote(self._server_state))
+            if self.server is not None:
+                ray.kill(self.server)
+        server: Any = self._server_cls.remote(self.spec, self._federation_ref)
+        self.server = server
+        self._server_ready = (
+            server.load_state_dict.remote(self._server_state)
+            if self._server_state is not None
+            else server.device.remote()
+        )
+
+    def _await_started(self) -> None:
+        """Wait until every worker and the server answer; replace those that die meanwhile.
+
+        Raises:
+            UserError: they did not answer within `engine.startup_timeout_s`, or kept dying.
+        """
+        e = self.cfg.engine
+        deadline = time.monotonic() + e.startup_timeout_s
+        for _ in range(e.max_retries + 1):
+            probes: list[tuple[Any, int]] = [
+                (w.info.remote(), i) for i, w in enumerate(self.workers)
+            ]
+            probes.append((self._server_ready, -1))
+            dead = []
+            for ref, who in probes:
+                try:
+                    ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    raise UserError(
+                        f"the Ray workers and server did not start within "
+                        f"engine.startup_timeout_s={e.startup_timeout_s:g} s (the cluster lacks "
+                        "free resources or is overloaded; `ray status` shows them); raise "
+                        "engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
+                    ) from None
+                except ray.exceptions.RayActorError:
+                    dead.append(who)
+            if not dead:
+                self._server_ready = None
+                return
+            log.warning("%d actors died while starting; replacing them", len(dead))
+            for who in dead:
+                if who < 0:
+                    self._new_server()
+                else:
+                    self.workers[who] = self._new_worker()
+        raise UserError(
+            f"Ray actors died {e.max_retries + 1} times while starting; check memory "
+            "(engine.worker_resources, engine.server_resources) or raise engine.max_retries"
+        )
 
     def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
-        """Run `call` (which uses `self.server`); on a dead server restart it and run it again."""
+        """Run `call` (which uses `self.server`); on a dead server restart it from the last server
+        state and run it again."""
         retries = self.cfg.engine.max_retries
         for attempt in range(retries + 1):
             try:
@@ -260,7 +293,9 @@ class RayExecutor(Executor):
                         f"{why}: the server actor died {attempt + 1} times; check memory "
                         "(engine.server_resources) or raise engine.max_retries"
                     ) from None
-                self._restart_server(why)
+                log.warning("%s: the server actor died; restarting it from the last state", why)
+                self._new_server()
+                self._await_started()
         raise AssertionError("unreachable")
 
     def _new_worker(self) -> Any:
