@@ -493,13 +493,14 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
     """Tune's function trainable: one simulation, reporting after every evaluated round."""
     from ray import tune
 
+    from rayfl.engine.checkpoint import has_checkpoint
     from rayfl.launch import simulate
 
     name = tune.get_context().get_trial_name()
     cfg = trial_config(job, config, name)
     run_dir = job.out / "trials" / name
     # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
-    resume = (run_dir / "checkpoint" / "meta.json").exists()
+    resume = has_checkpoint(run_dir)
     simulate(
         cfg,
         run_dir,

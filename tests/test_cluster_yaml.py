@@ -45,12 +45,12 @@ def test_shipped_cluster_yaml_contents(shipped) -> None:
     assert all(type(v) is int for v in worker["resources"].values())
     # The container's Ray must equal the Ray that launches and submits to it.
     assert shipped["docker"]["image"].startswith(f"rayproject/ray:{ray.__version__}-")
-    assert shipped["file_mounts"] == {"~/rayfl": "."}
+    assert shipped["file_mounts"]["~/rayfl"] == "."
     assert any("pip install" in c and "-e ~/rayfl" in c for c in shipped["setup_commands"])
     head_start = " ".join(shipped["head_start_ray_commands"])
     assert "ray start --head --port=6379" in head_start
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
-    assert "--dashboard-host=0.0.0.0" in head_start
+    assert "--dashboard-host=127.0.0.1" in head_start
     assert shipped["worker_start_ray_commands"][0] == "ray stop"
     # Anchored, so the rayfl/data package is still synced while ./data (a cache) is not.
     assert "/data/" in shipped["rsync_exclude"] and "data/" not in shipped["rsync_exclude"]
@@ -58,6 +58,22 @@ def test_shipped_cluster_yaml_contents(shipped) -> None:
     text = CLUSTER_YAML.read_text()
     for usage in ("ray up cluster.yaml", "ray submit", "ray job submit", "engine.address=auto"):
         assert usage in text
+
+
+def test_shipped_cluster_yaml_is_hardened(shipped) -> None:
+    """Dashboard and MLflow on the head's loopback only, token auth on every `ray start`, the
+    token shipped to every node, and the exposure written down."""
+    head_start = shipped["head_start_ray_commands"]
+    (ray_head,) = [c for c in head_start if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in ray_head and "0.0.0.0" not in " ".join(head_start)
+    (mlflow,) = [c for c in head_start if "mlflow server" in c]
+    assert "--host 127.0.0.1" in mlflow
+    for cmd in [ray_head, *[c for c in shipped["worker_start_ray_commands"] if "ray start" in c]]:
+        assert "RAY_AUTH_MODE=token" in cmd.split("ray start")[0], cmd
+    assert shipped["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    text = CLUSTER_YAML.read_text()
+    assert "security group" in text and "ray get-auth-token --generate" in text
+    assert "ray dashboard cluster.yaml" in text and "ray attach cluster.yaml -p 5000" in text
 
 
 def _set(path: tuple[str, ...], value: Any) -> Callable[[dict[str, Any]], None]:

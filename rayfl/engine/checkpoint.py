@@ -230,6 +230,11 @@ def _load_verified(path: Path, info: dict[str, Any]) -> Any:
         raise _refuse(path, f"unreadable state file ({type(exc).__name__})") from None
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has a current checkpoint to resume from (not yet verified)."""
+    return (Path(run_dir) / LINK).is_symlink()
+
+
 def verify(run_dir: Path, cfg: RunConfig) -> Restored:
     """Check the current checkpoint of ``run_dir`` against its manifest and ``cfg`` and load it.
 
