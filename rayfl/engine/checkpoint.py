@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -153,8 +153,8 @@ def state_bytes(state: Any) -> bytes:
     return buf.getvalue()
 
 
-def load_state(path: Path) -> Any:
-    """Read a state written by :func:`state_bytes`; never unpickles."""
+def load_state(path: Path | IO[bytes]) -> Any:
+    """Read a state written by :func:`state_bytes` (a path or a binary file); never unpickles."""
     with np.load(path, allow_pickle=False) as z:
         tree = json.loads(bytes(z[_TREE]).decode())
         arrays = {k: z[k] for k in z.files if k != _TREE}
