@@ -16,6 +16,7 @@ from rayfl.config import build_config, load_config
 from rayfl.engine.checkpoint import verify
 from rayfl.engine.loop import RunResult
 from tests.conftest import SYNTHETIC
+from tests.test_cli import rayfl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,13 +73,7 @@ def test_unwritable_out_and_a_directory_as_config_are_one_line(tmp_path):
         (["run", str(tmp_path)], "is a directory"),
         (["run", str(config), "engine.round_timeout_s=-5"], "engine.round_timeout_s"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "rayfl.cli", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = rayfl(*args)
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
