@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.models import build_model
+from rayfl.models.base import SplitModel
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -204,8 +205,12 @@ class ModelClient(Client[P]):
 
     def __init__(self, ctx: ClientContext, params: P) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.model = self.make_model()
         self.persistent = {"model": self.model}
+
+    def make_model(self) -> SplitModel:
+        """The personal model (default: the registered architecture `ctx.arch`)."""
+        return build_model(self.ctx.arch, self.ctx.in_shape, self.ctx.num_classes)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(x), y)

@@ -11,8 +11,8 @@ from torch import nn
 
 import rayfl.algorithms.fedfd  # noqa: F401  (registration)
 from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainSettings, load_numpy
+from rayfl.algorithms.feddf import FedDFParams
 from rayfl.algorithms.fedfd import (
-    FedDFParams,
     FedFDParams,
     FedFDServer,
     LinearProjection,

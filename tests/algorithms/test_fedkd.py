@@ -19,10 +19,8 @@ from rayfl.algorithms.fedkd import (
     FedKDParams,
     FedKDServer,
     adaptive_losses,
-    energy_rank,
-    svd_compress,
-    svd_decompress,
 )
+from rayfl.algorithms.functional import energy_rank, svd_compress, svd_decompress
 from rayfl.errors import ConfigError
 
 RND = RoundContext(1, 2)  # round 1 of 2
