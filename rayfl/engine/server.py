@@ -154,6 +154,14 @@ class ServerActor:
     def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:
         return self.runner.step(round_idx, reply_lists, evaluate)
 
+    def step_and_state(
+        self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """The step's metrics and the server state after it, returned together (call with
+        `num_returns=2`): the driver owns the state object, which outlives this actor."""
+        metrics = self.runner.step(round_idx, reply_lists, evaluate)
+        return metrics, self.runner.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()
 
