@@ -100,8 +100,8 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         device=e.device,
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
-        min_replies=e.min_replies,
-        rounds=e.rounds,
+        engine=e,
+        per_round=clients_per_round(cfg),
     )
 
 
@@ -172,7 +172,7 @@ class Simulation:
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+            self.executor = make_executor(self.spec, self.federation)
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:
