@@ -16,9 +16,8 @@ from rayfl.algorithms.base import (
     ClientContext,
     RoundContext,
     ServerContext,
-    TrainSettings,
 )
-from rayfl.config import EngineConfig
+from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
 
@@ -37,7 +36,7 @@ class RunSpec:
 
     algorithm: str
     params: Any
-    train: TrainSettings
+    train: TrainConfig
     seed: int
     archs: tuple[str, ...]  # architecture of each client
     in_shape: tuple[int, ...]
