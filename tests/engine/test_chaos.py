@@ -8,6 +8,7 @@ executor and kills drivers, workers and the server actor at random until the run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -88,10 +89,8 @@ class Chaos:
             family = []
         _, err = driver.communicate(timeout=600)
         for p in family:
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
         return driver.returncode, err
 
     def kill_driver(self, driver: subprocess.Popen) -> None:
@@ -102,10 +101,8 @@ class Chaos:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         for p in family:  # the Ray it started, as a killed machine would lose it
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
 
     def run(self, max_launches: int, driver_kills: int, actor_kills: bool, window_s: float) -> None:
         """Launch, kill at random, relaunch with --resume, until a launch finishes cleanly."""
