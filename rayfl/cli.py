@@ -173,7 +173,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rayfl.compare import run_suite
 
-    print(run_suite(args.suite, args.overrides, out=args.out))
+    print(
+        run_suite(args.suite, args.overrides, out=args.out, keep_checkpoints=args.keep_checkpoints)
+    )
     return 0
 
 
@@ -204,7 +206,8 @@ EXAMPLES = {
     "compare": """examples:
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
-  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite   # again: resumes""",
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite   # again: resumes
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml parallel=2 --out runs/suite""",
     "tune": """examples:
   rayfl tune experiments/sweeps/pfedes_T_alpha.yaml --out runs/sweep
   rayfl tune experiments/sweeps/pfedes_T_alpha.yaml engine.rounds=2""",
@@ -271,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
     p.add_argument("suite")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    p.add_argument("--out", help="output directory")
+    p.add_argument("--out", help="output directory (the same one again resumes the suite)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's checkpoint (default: removed once the run finished)",
+    )
     p.set_defaults(fn=cmd_compare)
 
     p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow")
