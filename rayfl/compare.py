@@ -611,6 +611,15 @@ def finished_row(
     return _final_row(run, result, float(summary.get("wall_s", 0.0)), run_dir), history
 
 
+def remove_checkpoints(run_dir: Path) -> None:
+    """Delete a finished run's checkpoint: the `checkpoint` link and the folders it points into."""
+    link = run_dir / "checkpoint"
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    for folder in run_dir.glob("checkpoint*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def execute_run(
     run: SuiteRun, run_dir: Path, parent_id: str | None, keep_checkpoints: bool
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:
@@ -618,7 +627,7 @@ def execute_run(
     the error instead of ending the suite. Checkpoints go once it finished, unless kept."""
     from rayfl.launch import simulate
 
-    resume = (run_dir / "checkpoint" / "meta.json").exists()
+    resume = (run_dir / "checkpoint").exists()
     start = time.perf_counter()
     try:
         result = simulate(
@@ -634,7 +643,7 @@ def execute_run(
         return row, []
     row = _final_row(run, result, time.perf_counter() - start, run_dir)
     if result.status == "FINISHED" and not keep_checkpoints:
-        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+        remove_checkpoints(run_dir)
     return row, result.history
 
 

@@ -107,7 +107,7 @@ class ClientRunner:
                 client = self._clients.get(arch) or self._fresh_client(arch, cid)
                 client.load_state_dict(state)
             trainer = self._trainer(round_idx, cid)
-            client.receive(payloads.get(arch, {}))
+            client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
             start = time.perf_counter()
             train_metrics = client.fit(trainer)
             train_s = time.perf_counter() - start
