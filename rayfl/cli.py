@@ -216,6 +216,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from rayfl.report import write_report
+
+    print(f"report: {write_report(args.dir, args.out)}")
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from rayfl.tune import run_sweep
 
@@ -333,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--out", help="output directory")
     p.set_defaults(fn=cmd_tune)
+
+    p = _sub(sub, "report", "one self-contained HTML page for a run, a suite or a sweep folder")
+    p.add_argument(
+        "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
+    )
+    p.add_argument("--out", help="the HTML file (default DIR/report.html)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 

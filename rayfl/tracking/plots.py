@@ -167,6 +167,47 @@ def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path
     return _save(fig, path)
 
 
+def plot_bars(
+    groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str, title: str = ""
+) -> Path:
+    """Grouped bars: one group per category (e.g. architecture), one bar per series (e.g.
+    algorithm, or pFedES beside the local-only baseline), the value written over each bar.
+
+    Args:
+        groups: ``{series: {category: value}}``.
+        path: Output image file.
+        ylabel: Label of the y axis.
+        title: Axes title.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    categories = sorted({c for values in groups.values() for c in values})
+    fig = _new_figure(width=max(5.0, 1.4 * len(categories) * max(1, len(groups)) ** 0.5))
+    ax = fig.add_subplot()
+    if not categories:
+        _no_data(ax, ylabel)
+        return _save(fig, path)
+    width = 0.8 / max(1, len(groups))
+    for i, (name, values) in enumerate(groups.items()):
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(categories))]
+        ys = [values.get(c, math.nan) for c in categories]
+        bars = ax.bar(xs, ys, width=width * 0.95, label=name)
+        ax.bar_label(bars, fmt="%.3f", fontsize="x-small", padding=2)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_xlabel("architecture")
+    ax.set_ylabel(ylabel)
+    finite = [v for values in groups.values() for v in values.values() if _finite(v) is not None]
+    if finite:
+        ax.set_ylim(0, min(1.0, max(finite) * 1.15) if max(finite) <= 1 else max(finite) * 1.15)
+    if len(groups) > 1:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    if title:
+        ax.set_title(title)
+    return _save(fig, path)
+
+
 def plot_compare(
     curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, ylabel: str
 ) -> Path:
