@@ -240,6 +240,10 @@ EXAMPLES = {
   rayfl validate experiments/pfedes_fmnist.yaml
   rayfl validate experiments/pfedes_fmnist.yaml engine.rounds=5 algorithm.beta=0
   rayfl validate experiments/suites/*.yaml experiments/sweeps/*.yaml""",
+    "ls-runs": """examples:
+  rayfl ls-runs                    # every run directory under runs/
+  rayfl ls-runs /data/sweeps/x     # another folder; a killed run still marked RUNNING becomes KILLED
+""",
     "ls": """examples:
   rayfl ls            # algorithms, models, families, datasets, partitioners
   rayfl ls pfedes     # pFedES's keys with defaults and one line of help each
