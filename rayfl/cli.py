@@ -248,9 +248,6 @@ EXAMPLES = {
   rayfl ls            # algorithms, models, families, datasets, partitioners
   rayfl ls pfedes     # pFedES's keys with defaults and one line of help each
   rayfl ls engine     # a config section's keys""",
-    "ls-runs": """examples:
-  rayfl ls-runs               # the run directories under runs/
-  rayfl ls-runs runs/suite""",
     "bench": """examples:
   rayfl bench experiments/benchmarks/throughput.yaml
   rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2""",
