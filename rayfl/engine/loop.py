@@ -100,6 +100,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
+        grouped=e.grouped,
     )
 
 

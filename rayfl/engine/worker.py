@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -32,6 +32,7 @@ class ClientRunner:
         self.device = device
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
+        self._spares: dict[tuple[str, int], Client] = {}  # more instances, for grouped training
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -41,14 +42,17 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int) -> Client:
+    def _fresh_client(self, arch: str, client_id: int, slot: int = 0) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
         torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
         client = self._algo.client(self.spec.client_context(arch, self.device), self.spec.params)
         for module in client.modules():
             module.to(self.device)
-        self._clients[arch] = client
+        if slot:
+            self._spares[(arch, slot)] = client
+        else:
+            self._clients[arch] = client
         return client
 
     def fit(
@@ -71,47 +75,72 @@ class ClientRunner:
         states: Sequence[Payload | None],
         evaluate: bool,
     ) -> tuple[list[ClientMetrics], list[Reply], list[Payload]]:
+        if self.spec.grouped:
+            from rayfl.engine.grouped import fit_grouped
+
+            return fit_grouped(self, round_idx, client_ids, payloads, states, evaluate)
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []
         for cid, state in zip(client_ids, states):
-            arch = self.spec.archs[cid]
-            if state is None:
-                client = self._fresh_client(arch, cid)
-            else:
-                client = self._clients.get(arch) or self._fresh_client(arch, cid)
-                client.load_state_dict(state)
-            seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
-            torch.manual_seed(seed)
-            client.receive(payloads.get(arch, {}))
-            split = self.federation.clients[cid]
-            trainer = LocalTrainer(
-                self.federation.dataset,
-                split.train,
-                split.test,
-                self.spec.train,
-                self.device,
-                torch.Generator().manual_seed(seed),
-                public=self._public_batches,
-            )
-            start = time.perf_counter()
-            train_metrics = client.fit(trainer)
-            train_s = time.perf_counter() - start
-            payload = client.upload()
-            row: ClientMetrics = {
-                "client": cid,
-                "arch": arch,
-                "num_train": trainer.num_samples,
-                "train_s": train_s,
-                "bytes_up": payload_nbytes(payload),
-                **{f"train/{k}": v for k, v in train_metrics.items()},
-            }
-            if evaluate:
-                row.update(evaluate_client(client, trainer))
+            client = self.client_for(cid, state)
+            row, reply, new_state = self.client_round(client, cid, round_idx, payloads, evaluate)
             metrics.append(row)
-            replies.append(Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)))
-            new_states.append(client.state_dict())
+            replies.append(reply)
+            new_states.append(new_state)
         return metrics, replies, new_states
+
+    def client_for(self, cid: int, state: Payload | None, slot: int = 0) -> Client:
+        """The client half for `cid` with its state loaded: a fresh one for a new client, else
+        the cached instance of its architecture (`slot` > 0: another one, for grouped training)."""
+        arch = self.spec.archs[cid]
+        if state is None:
+            return self._fresh_client(arch, cid, slot)
+        cached = self._spares.get((arch, slot)) if slot else self._clients.get(arch)
+        client = cached or self._fresh_client(arch, cid, slot)
+        client.load_state_dict(state)
+        return client
+
+    def client_round(
+        self,
+        client: Client,
+        cid: int,
+        round_idx: int,
+        payloads: Mapping[str, Payload],
+        evaluate: bool,
+        make_trainer: Callable[..., LocalTrainer] = LocalTrainer,
+    ) -> tuple[ClientMetrics, Reply, Payload]:
+        """One client's round: receive, fit, upload, evaluate, save state."""
+        arch = self.spec.archs[cid]
+        seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
+        torch.manual_seed(seed)
+        client.receive(payloads.get(arch, {}))
+        split = self.federation.clients[cid]
+        trainer = make_trainer(
+            self.federation.dataset,
+            split.train,
+            split.test,
+            self.spec.train,
+            self.device,
+            torch.Generator().manual_seed(seed),
+            public=self._public_batches,
+        )
+        start = time.perf_counter()
+        train_metrics = client.fit(trainer)
+        train_s = time.perf_counter() - start
+        payload = client.upload()
+        row: ClientMetrics = {
+            "client": cid,
+            "arch": arch,
+            "num_train": trainer.num_samples,
+            "train_s": train_s,
+            "bytes_up": payload_nbytes(payload),
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        }
+        if evaluate:
+            row.update(evaluate_client(client, trainer))
+        reply = Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics))
+        return row, reply, client.state_dict()
 
 
 class ClientWorker:
