@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rayfl.config import to_dict
+from rayfl.config import RunConfig, to_dict
+from rayfl.engine.rundir import strict_json
+from rayfl.locking import temp_path, write_atomic
 
 if TYPE_CHECKING:
+    from rayfl.engine.checkpoint import Restored
+    from rayfl.engine.executor import Executor
     from rayfl.engine.loop import Simulation
     from rayfl.tracking.base import Tracker
 
@@ -22,12 +26,31 @@ log = logging.getLogger(__name__)
 
 
 class Callback:
-    """Hooks the round loop calls; `should_stop` ends the run after the current round."""
+    """Hooks the round loop calls; `should_stop` ends the run after the current round.
+
+    Callbacks read what the loop passes them and never write into the simulation: a callback
+    that restores a run returns the state from `resume_state` and the loop applies it.
+    """
 
     should_stop = False
 
+    def resume_state(self, cfg: RunConfig) -> Restored | None:
+        """A checkpoint to continue from, or None; called once before `on_run_start`."""
+        return None
+
     def on_run_start(self, sim: Simulation) -> None:
         pass
+
+    def on_round_state(
+        self,
+        cfg: RunConfig,
+        round_idx: int,
+        participants: Sequence[int],
+        executor: Executor,
+        history: list[dict[str, float]],
+    ) -> None:
+        """After a round, before `on_round_end`: the round's participants and where the client and
+        server states live (checkpoints read them; nothing else should need this)."""
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         pass
@@ -37,13 +60,37 @@ class Callback:
 
 
 class ProgressBar(Callback):
-    """One tqdm bar over rounds showing elapsed time and the current personalized accuracy."""
+    """Progress over rounds with elapsed time and the current personalized accuracy: one tqdm bar
+    on a terminal, or one plain line per round when `stream` is not a terminal or reports zero
+    columns (CI logs, some IDE consoles), where a bar would vanish or smear."""
 
-    def __init__(self, desc: str = "") -> None:
+    def __init__(self, desc: str = "", stream: Any = None, plain: bool | None = None) -> None:
         self.desc = desc
+        self.stream = stream
+        self.plain = plain
         self.bar: Any = None
+        self._start = 0.0
+
+    @staticmethod
+    def wants_plain(stream: Any) -> bool:
+        """No terminal, or a terminal that reports zero columns."""
+        import os
+
+        try:
+            if not stream.isatty():
+                return True
+            return os.get_terminal_size(stream.fileno()).columns <= 0
+        except (AttributeError, OSError, ValueError):
+            return True
 
     def on_run_start(self, sim: Simulation) -> None:
+        stream = self.stream or sys.stderr
+        self.stream = stream
+        self._start = time.perf_counter()
+        if self.plain is None:
+            self.plain = self.wants_plain(stream)
+        if self.plain:
+            return
         from tqdm.auto import tqdm
 
         self.bar = tqdm(
@@ -51,20 +98,37 @@ class ProgressBar(Callback):
             initial=sim.start_round - 1,
             desc=self.desc or sim.cfg.algorithm.name,
             unit="round",
-            file=sys.stderr,
+            file=stream,
             dynamic_ncols=True,
         )
 
-    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        post = {"round": round_idx}
+    @staticmethod
+    def _fields(round_idx: int, metrics: dict[str, float]) -> dict[str, str]:
+        post = {"round": str(round_idx)}
         for key, short in (
             ("personal/acc", "acc"),
+            ("baseline/local_acc", "local"),
             ("proxy/acc", "proxy"),
             ("global/acc", "global"),
         ):
-            if key in metrics:
-                post[short] = f"{metrics[key]:.4f}"  # type: ignore[assignment]
-        post["s/round"] = f"{metrics['time/round_s']:.1f}"  # type: ignore[assignment]
+            if key in metrics and metrics[key] == metrics[key]:  # NaN: not evaluated this round
+                post[short] = f"{metrics[key]:.4f}"
+        post["s/round"] = f"{metrics['time/round_s']:.1f}"
+        return post
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        post = self._fields(round_idx, metrics)
+        if self.bar is None:
+            del post["round"]
+            name = self.desc or sim.cfg.algorithm.name
+            elapsed = time.perf_counter() - self._start
+            text = "  ".join(f"{k} {v}" for k, v in post.items())
+            print(
+                f"{name} round {round_idx}/{sim.cfg.engine.rounds}  {text}  elapsed {elapsed:.0f}s",
+                file=self.stream,
+                flush=True,
+            )
+            return
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
 
@@ -97,13 +161,17 @@ class RunDirectory(Callback):
         self.run_dir = Path(run_dir)
         self.started = time.time()
         self.artifacts: list[Path] = []
+        self._opened = False
 
     def on_run_start(self, sim: Simulation) -> None:
         from rayfl.data.federated import plot_label_distribution, save_partition
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._opened = True
         config_path = self.run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(to_dict(sim.cfg), sort_keys=False))
+        write_atomic(config_path, yaml.safe_dump(to_dict(sim.cfg), sort_keys=False).encode())
+        # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
+        self.write_summary(sim, "RUNNING")
         self.artifacts = [config_path]
         self.artifacts += save_partition(sim.federation, self.run_dir)
         self.artifacts.append(
@@ -113,9 +181,8 @@ class RunDirectory(Callback):
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
 
-    def on_run_end(self, sim: Simulation, status: str) -> None:
-        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
-
+    def write_summary(self, sim: Simulation, status: str) -> None:
+        """summary.json as strict JSON (NaN and inf written as null), replaced atomically."""
         history = sim.result.history
         summary = {
             "status": status,
@@ -127,7 +194,16 @@ class RunDirectory(Callback):
             "config": to_dict(sim.cfg),
             "versions": versions(),
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2).encode())
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
+
+        if not self._opened:
+            # the run failed before it started (e.g. a refused resume): leave the directory as it was
+            return
+        history = sim.result.history
+        self.write_summary(sim, status)
         self.artifacts += [self.run_dir / "summary.json"]
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
@@ -149,9 +225,23 @@ def write_metrics(history: list[dict[str, float]], path: Path) -> None:
 
     keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
     table = pa.table({k: [row.get(k) for row in history] for k in keys})
-    tmp = path.with_suffix(".tmp")
+    tmp = temp_path(path)
     pq.write_table(table, tmp)
     tmp.replace(path)
+
+
+def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
+    """(name, context, inputs, labels) of the data a run uses: every sample some client holds
+    (train and local test splits) and the server's test set."""
+    import numpy as np
+
+    fed = sim.federation
+    used = np.sort(np.concatenate([np.concatenate([c.train, c.test]) for c in fed.clients]))
+    ds, name = fed.dataset, sim.cfg.data.dataset
+    return [
+        (f"{name}-clients-{len(used)}", "train", ds.x_train[used], ds.y_train[used]),
+        (f"{name}-test-{len(ds.y_test)}", "test", ds.x_test, ds.y_test),
+    ]
 
 
 class TrackerCallback(Callback):
@@ -164,11 +254,22 @@ class TrackerCallback(Callback):
     def on_run_start(self, sim: Simulation) -> None:
         self.tracker.log_config(to_dict(sim.cfg))
         self.tracker.set_tags(
-            {"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset}
+            {
+                "algorithm": sim.cfg.algorithm.name,
+                "dataset": sim.cfg.data.dataset,
+                "rayfl.config_name": sim.cfg.name,
+            }
         )
+        log_dataset = getattr(self.tracker, "log_dataset", None)
+        if log_dataset is not None:
+            for name, context, x, y in dataset_views(sim):
+                log_dataset(name, x, y, context, source=sim.cfg.data.root or sim.cfg.data.dataset)
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=round_idx)
+        # `round` is the step and `clients` the count of replies: bookkeeping, not results
+        self.tracker.log_metrics(
+            {k: v for k, v in metrics.items() if k not in ("round", "clients")}, step=round_idx
+        )
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
         if self.run_dir is not None:

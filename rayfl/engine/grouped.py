@@ -543,6 +543,7 @@ def fit_grouped(
             payloads,
             evaluate,
             partial(GroupedTrainer, lane),
+            state=state,
         )
         lanes.append(lane)
     coordinate(lanes, runner.spec.train)

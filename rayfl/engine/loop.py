@@ -25,6 +25,7 @@ from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.callbacks import Callback
+from rayfl.engine.checkpoint import Restored
 from rayfl.engine.executor import Executor, make_executor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
@@ -101,6 +102,8 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
         grouped=e.grouped,
+        rounds=e.rounds,
+        local_baseline=cfg.eval.local_baseline,
     )
 
 
@@ -124,7 +127,10 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         for arch, pairs in sorted(by_arch.items()):
             a, w = np.array(pairs).T
             out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
-        skip = {"client", "arch", "acc", "num_test", "num_train", "train_s", "bytes_up"}
+        if all("baseline_acc" in r for r in scored):
+            out.update(_baseline_summary(scored, out["personal/acc"]))
+        skip = {"client", "arch", "acc", "baseline_acc", "num_test", "num_train"}
+        skip |= {"train_s", "bytes_up"}
         extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
         for key in sorted(extras):
             vals = [(r[key], r["num_test"]) for r in scored if key in r]
@@ -136,6 +142,19 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         v, w = np.array(vals).T
         out[key] = float((v * w).sum() / w.sum())
     out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
+    return out
+
+
+def _baseline_summary(scored: list[ClientMetrics], personal_acc: float) -> dict[str, float]:
+    """The local-only shadows' accuracy, weighted exactly like `personal/acc` (so it equals what
+    `algorithm.name=local` reports), per architecture, and the gain over it in points."""
+    b = np.array([r["baseline_acc"] for r in scored])
+    n = np.array([r["num_test"] for r in scored])
+    local = float((b * n).sum() / n.sum())
+    out = {"baseline/local_acc": local, "baseline/gain_points": 100.0 * (personal_acc - local)}
+    for arch in sorted({r["arch"] for r in scored}):
+        mask = np.array([r["arch"] == arch for r in scored])
+        out[f"baseline/local_acc/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
     return out
 
 
@@ -163,14 +182,19 @@ class Simulation:
         self.spec = make_spec(cfg, self.archs, self.federation)
         self.result = RunResult(cfg)
         self.start_round = 1
+        self.last_clients: list[int] = []
         self.executor: Executor | None = None
 
     def run(self) -> RunResult:
         cfg = self.cfg
         status = "FAILED"
-        self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
         comm = {"up": 0.0, "down": 0.0}
         try:
+            self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+            for cb in self.callbacks:
+                restored = cb.resume_state(cfg)
+                if restored is not None:
+                    self.restore(restored)
             for cb in self.callbacks:
                 cb.on_run_start(self)
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
@@ -178,6 +202,10 @@ class Simulation:
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
                 row = self.run_round(rnd, comm)
                 self.result.history.append(row)
+                for cb in self.callbacks:
+                    cb.on_round_state(
+                        cfg, rnd, self.last_clients, self.executor, self.result.history
+                    )
                 for cb in self.callbacks:
                     cb.on_round_end(self, rnd, row)
                 if any(cb.should_stop for cb in self.callbacks):
@@ -193,8 +221,19 @@ class Simulation:
                     cb.on_run_end(self, status)
                 except Exception:  # a failing callback must not hide the run's own error
                     log.exception("callback %s failed at the end of the run", type(cb).__name__)
-            self.executor.close()
+            if self.executor is not None:
+                self.executor.close()
         return self.result
+
+    def restore(self, restored: Restored) -> None:
+        """Continue after a checkpoint: server and client states, history, next round."""
+        assert self.executor is not None
+        self.executor.load_server_state(restored.server_state)
+        for cid, state in restored.client_states():
+            self.executor.load_client_state(cid, state)
+        self.result.history = list(restored.history)
+        self.start_round = restored.round + 1
+        log.info("resumed after round %d", restored.round)
 
     def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float]:
         assert self.executor is not None
@@ -203,7 +242,7 @@ class Simulation:
         evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
         clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
         archs = sorted({self.archs[c] for c in clients})
-        sizes, payloads = ex.broadcast(archs)
+        sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
         server_start = time.perf_counter()

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfl.algorithms.base import Algorithm, ClientContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    RoundContext,
+    ServerContext,
+    TrainSettings,
+)
 from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
 
@@ -38,6 +44,14 @@ class RunSpec:
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
     grouped: bool = False  # train a call's clients of one architecture as one batch (torch.func)
+    local_baseline: bool = (
+        False  # also train a local-only shadow of each client (eval.local_baseline)
+    )
+    rounds: int = 1  # engine.rounds: the schedule's length every round hook sees
+
+    def round_context(self, round_idx: int) -> RoundContext:
+        """What both halves learn of the schedule in round `round_idx`."""
+        return RoundContext(index=round_idx, total=self.rounds)
 
     @property
     def algo(self) -> Algorithm:

@@ -146,7 +146,7 @@ class DropoutClient(ModelClient):
 class PrivateTensorClient(ModelClient):
     """Keeps a per-client tensor outside its modules: grouping would read client 0's."""
 
-    def receive(self, payload):
+    def receive(self, payload, rnd):
         self.scale = torch.rand(())
 
     def training_step(self, x, y):
