@@ -94,6 +94,9 @@ class EngineConfig:
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
+    # Train a call's clients of one architecture together, vectorized with torch.func (same
+    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
+    grouped: bool = False
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None
