@@ -37,7 +37,13 @@ def final_table(result: Any, wall_s: float) -> str:
             rows.append((key, f"{final[key]:.4f}"))
     for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
         rows.append((key, f"{final[key]:.4f}"))
-    for key in ("proxy/acc", "global/acc", "pfedes/kl_local_proxy", "fedfd/distill_loss"):
+    for key in (
+        "proxy/acc",
+        "global/acc",
+        "pfedes/kl_local_proxy",
+        "fedfd/distill_loss",
+        "privacy/epsilon",
+    ):
         if key in final:
             rows.append((key, f"{final[key]:.4f}"))
     rounds = max(1, len(result.history))

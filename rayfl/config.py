@@ -106,6 +106,39 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class DPConfig:
+    """Client-level DP (DP-FedAvg, McMahan et al. 2018; see `rayfl.privacy.dp`)."""
+
+    enabled: bool = False
+    clip: float = 1.0  # L2 bound on each client's update (or its statistics payload)
+    noise_multiplier: float = 1.0  # Gaussian noise std on the sum = noise_multiplier * clip
+    delta: float = 1e-5  # target delta of the reported (epsilon, delta)
+    accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's RDP or PLD accountant
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Secure aggregation (Bonawitz et al. 2017), simulated (see `rayfl.privacy.secagg`)."""
+
+    enabled: bool = False
+    frac_bits: int = 24  # fixed-point scale 2^frac_bits in the uint64 ring
+    threshold: float = 0.5  # shares needed to rebuild a secret: floor(threshold * n) + 1
+    dropout: float = 0.0  # simulated chance that a client drops after masking (seeded)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Protections of the shared payloads; algorithms do not know whether they are on."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp.enabled or self.secagg.enabled
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str
     params: Any  # the algorithm's own frozen Params dataclass instance
@@ -121,6 +154,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -418,12 +452,38 @@ def check(cfg: RunConfig) -> None:
     require(t.lr > 0, "train.lr", f"must be > 0 (got {t.lr})")
     require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     require(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip", "must be > 0 or null")
+    _check_privacy(cfg.privacy)
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
             "model.proportions",
             "every proportion must be > 0",
         )
+
+
+def _check_privacy(p: PrivacyConfig) -> None:
+    require(p.dp.clip > 0, "privacy.dp.clip", f"must be > 0 (got {p.dp.clip})")
+    require(
+        p.dp.noise_multiplier >= 0,
+        "privacy.dp.noise_multiplier",
+        f"must be >= 0 (got {p.dp.noise_multiplier})",
+    )
+    require(0 < p.dp.delta < 1, "privacy.dp.delta", f"must be in (0, 1) (got {p.dp.delta})")
+    require(
+        8 <= p.secagg.frac_bits <= 40,
+        "privacy.secagg.frac_bits",
+        f"must be in [8, 40] (got {p.secagg.frac_bits})",
+    )
+    require(
+        0 <= p.secagg.threshold < 1,
+        "privacy.secagg.threshold",
+        f"must be in [0, 1) (got {p.secagg.threshold})",
+    )
+    require(
+        0 <= p.secagg.dropout < 1,
+        "privacy.secagg.dropout",
+        f"must be in [0, 1) (got {p.secagg.dropout})",
+    )
 
 
 def clients_per_round(cfg: RunConfig) -> int:

@@ -127,6 +127,7 @@ class ClassTableServer(Server):
     clients' tables per class by count and broadcasts the result."""
 
     prefix = "classes"
+    sum_form = "class_means"
 
     def __init__(self, ctx: ServerContext, params: object, dim: int) -> None:
         super().__init__(ctx, params)

@@ -30,6 +30,7 @@ from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
+from rayfl.privacy import hook_for
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
+        privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
 

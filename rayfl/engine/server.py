@@ -82,12 +82,14 @@ class ServerRunner:
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
+        self._sent: dict[str, Payload] = {}
         self.data = EngineServerData(
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
 
     def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], list[Payload]]:
         payloads = [self.server.broadcast(a) for a in archs]
+        self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
     def step(
@@ -120,6 +122,9 @@ class ServerRunner:
             "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
             "server/rejected": float(len(replies) - len(valid)),
         }
+        if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
+            valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
+            metrics.update(privacy_metrics)
         metrics.update(self.server.aggregate(valid, round_idx))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))
         self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))

@@ -37,6 +37,7 @@ class RunSpec:
     num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
+    privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
 
     @property
     def algo(self) -> Algorithm:
