@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +63,8 @@ def final_table(result: Any, wall_s: float) -> str:
         )
     )
     rows.append(("rounds", f"{len(result.history)}"))
+    rejected, replies = rejected_replies(result.history)
+    rows.append(("server/rejected", f"{rejected:g} of {replies:g} replies"))
     mean_round = sum(r["time/round_s"] for r in result.history) / rounds
     rows.append(("seconds per round (mean)", f"{mean_round:.2f}"))
     rows.append(("wall time s", f"{wall_s:.1f}"))
@@ -72,12 +75,23 @@ def final_table(result: Any, wall_s: float) -> str:
     return format_table(rows, title)
 
 
+def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]:
+    """Replies the server rejected (non-finite or empty) and replies received, over the run."""
+    rejected = sum(r.get("server/rejected", 0.0) for r in history)
+    replies = sum(r.get("clients", 0.0) for r in history)
+    return rejected, replies
+
+
 # ------------------------------------------------------------------------------------ commands
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise UserError(
+                f"--resume {run_dir}: not a directory; pass a run directory written by rayfl run"
+            )
         if not (run_dir / "config.yaml").exists():
             raise UserError(
                 f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
@@ -92,6 +106,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = simulate(cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume))
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
+    rejected, replies = rejected_replies(result.history)
+    if replies and rejected > replies / 2:
+        print(
+            f"rayfl: warning: the server rejected {rejected:g} of {replies:g} replies (non-finite "
+            "or empty); the results rest on few clients: lower train.lr or set train.grad_clip",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_ls_runs(args: argparse.Namespace) -> int:
+    from rayfl.engine.rundir import list_runs
+
+    runs = list_runs(Path(args.dir))
+    if not runs:
+        print(f"no run directories in {args.dir}")
+        return 0
+    width = max(len(str(r.path)) for r in runs)
+    print(f"{'run directory'.ljust(width)}  {'status':8s}  rounds  personal/acc")
+    for r in runs:
+        metric = "-" if r.metric is None else f"{r.metric:.4f}"
+        status = r.status if r.owner is None else f"{r.status} (pid {r.owner})"
+        print(f"{str(r.path).ljust(width)}  {status:8s}  {r.rounds:6d}  {metric}")
     return 0
 
 
@@ -190,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list algorithms, models, families, datasets, partitioners")
     p.set_defaults(fn=cmd_ls)
 
+    p = sub.add_parser(
+        "ls-runs", help="list run directories with status, rounds and metric (marks killed runs)"
+    )
+    p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
+    p.set_defaults(fn=cmd_ls_runs)
+
     p = sub.add_parser("bench", help="serial vs Ray executor on one workload, side by side")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -218,10 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.fn(args) or 0)
     except UserError as exc:
-        print(f"rayfl: error: {exc}", file=sys.stderr)
+        print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
@@ -229,6 +274,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM ends a run like Ctrl-C: the checkpoint stays intact and the resume hint is printed."""
+    raise KeyboardInterrupt
+
+
+def one_line(exc: BaseException) -> str:
+    """The user's message of an error, also when Ray wrapped it (an error raised in an actor)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UserError):
+        exc = cause
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ fields of that algorithm's own frozen `Params` dataclass (declared beside the al
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -93,8 +95,9 @@ class EngineConfig:
     server_threads: int | None = None
     round_timeout_s: float | None = None  # deadline for a round's clients (None: wait for all)
     min_replies: int = 1  # a round needs at least this many valid replies
-    max_retries: int = 2  # re-runs of a client batch whose worker died
+    max_retries: int = 2  # re-runs of a client batch whose worker died (and of a server step)
     checkpoint_every: int = 1  # rounds between checkpoints in the run directory (0: never)
+    startup_timeout_s: float = 300.0  # how long workers and the server may take to start
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,98 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed interval of a numeric setting; open ends exclude the bound."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
+        left = "(" if self.lo_open else "["
+        right = ")" if self.hi_open else "]"
+        return f"must be in {left}{self.lo:g}, {self.hi:g}{right}"
+
+
+AT_LEAST_1 = Range(lo=1)
+POSITIVE = Range(lo=0, lo_open=True)
+
+# Every number in the schema must be finite and >= 0 (checked while parsing, with the key in the
+# message); these are the tighter ranges. A None value (where allowed) is never range-checked.
+RANGES: dict[str, Range] = {
+    "data.num_clients": AT_LEAST_1,
+    "data.partition.alpha": POSITIVE,
+    "data.partition.classes_per_client": AT_LEAST_1,
+    "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
+    "data.train_samples": AT_LEAST_1,
+    "train.batch_size": AT_LEAST_1,
+    "train.lr": POSITIVE,
+    "train.momentum": Range(lo=0, hi=1),
+    "train.grad_clip": POSITIVE,
+    "train.eval_batch_size": AT_LEAST_1,
+    "engine.rounds": AT_LEAST_1,
+    "engine.fraction": Range(lo=0, hi=1, lo_open=True),
+    "engine.clients_per_round": AT_LEAST_1,
+    "engine.num_workers": AT_LEAST_1,
+    "engine.ray_num_cpus": AT_LEAST_1,
+    "engine.eval_every": AT_LEAST_1,
+    "engine.clients_per_call": AT_LEAST_1,
+    "engine.num_threads": AT_LEAST_1,
+    "engine.server_threads": AT_LEAST_1,
+    "engine.round_timeout_s": POSITIVE,
+    "engine.min_replies": AT_LEAST_1,
+    "engine.startup_timeout_s": POSITIVE,
+    "privacy.dp.clip": POSITIVE,
+    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
+    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
+    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
+}
+
+
+def _dotted(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 # --------------------------------------------------------------------------- parsing
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: `1e-3` and `1E5` are numbers, not strings."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML text safely (no Python objects), with YAML 1.2 number syntax."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def _type_name(tp: Any) -> str:
@@ -205,18 +299,28 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
-                return int(value)
+                return _number(int(value), key)
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
+        return _number(value, key)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        return _number(float(value), key)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
+
+
+def _number(value: float, key: str) -> Any:
+    """Every number in the schema is finite and >= 0; `RANGES` and the algorithms' own checks
+    narrow that further."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number (got {value!r})")
+    if value < 0:
+        raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
+    return value
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
@@ -259,7 +363,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"override {text!r} has an empty key part")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -291,14 +395,20 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A YAML file whose top level is a mapping, or a ConfigError naming the problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"{what} {path} is a directory; pass a YAML file (e.g. experiments/*.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(
             f"{what} {path} not found: check the path (examples live in experiments/)"
         )
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc}); check the file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw
@@ -396,40 +506,22 @@ def check(cfg: RunConfig) -> None:
     """Cross-field checks that need no data: ranges and registry names."""
     from rayfl.registry import DATASETS, PARTITIONERS
 
-    d, e, t = cfg.data, cfg.engine, cfg.train
+    d, e = cfg.data, cfg.engine
     if d.dataset not in DATASETS:
         DATASETS.get(d.dataset, key="data.dataset")
     if d.partition.name not in PARTITIONERS:
         PARTITIONERS.get(d.partition.name, key="data.partition.name")
-    require(d.num_clients >= 1, "data.num_clients", f"must be at least 1 (got {d.num_clients})")
-    require(d.partition.alpha > 0, "data.partition.alpha", f"must be > 0 (got {d.partition.alpha})")
-    require(
-        0.0 < d.test_fraction < 1.0,
-        "data.test_fraction",
-        f"must be in (0, 1) (got {d.test_fraction})",
-    )
-    require(
-        0.0 <= d.public_fraction < 1.0,
-        "data.public_fraction",
-        f"must be in [0, 1) (got {d.public_fraction})",
-    )
-    require(e.rounds >= 1, "engine.rounds", f"must be at least 1 (got {e.rounds})")
-    require(
-        0.0 < e.fraction <= 1.0,
-        "engine.fraction",
-        f"must be in (0, 1] (got {e.fraction}); 1.0 samples every client",
-    )
+    for key, rng in RANGES.items():
+        value = _dotted(cfg, key)
+        if value is not None:
+            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
     if e.clients_per_round is not None:
         require(
-            1 <= e.clients_per_round <= d.num_clients,
+            e.clients_per_round <= d.num_clients,
             "engine.clients_per_round",
             f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
             f"lower it or raise data.num_clients",
         )
-    require(e.eval_every >= 1, "engine.eval_every", f"must be at least 1 (got {e.eval_every})")
-    require(e.clients_per_call >= 1, "engine.clients_per_call", "must be at least 1")
-    require(e.min_replies >= 1, "engine.min_replies", "must be at least 1")
-    require(e.num_workers is None or e.num_workers >= 1, "engine.num_workers", "must be at least 1")
     for name, res in (
         ("worker_resources", e.worker_resources),
         ("server_resources", e.server_resources),
@@ -447,43 +539,12 @@ def check(cfg: RunConfig) -> None:
         "engine.worker_resources",
         "a worker must reserve some CPU or GPU",
     )
-    require(t.local_epochs >= 0, "train.local_epochs", "must be >= 0")
-    require(t.batch_size >= 1, "train.batch_size", "must be at least 1")
-    require(t.lr > 0, "train.lr", f"must be > 0 (got {t.lr})")
-    require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-    require(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip", "must be > 0 or null")
-    _check_privacy(cfg.privacy)
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
             "model.proportions",
             "every proportion must be > 0",
         )
-
-
-def _check_privacy(p: PrivacyConfig) -> None:
-    require(p.dp.clip > 0, "privacy.dp.clip", f"must be > 0 (got {p.dp.clip})")
-    require(
-        p.dp.noise_multiplier >= 0,
-        "privacy.dp.noise_multiplier",
-        f"must be >= 0 (got {p.dp.noise_multiplier})",
-    )
-    require(0 < p.dp.delta < 1, "privacy.dp.delta", f"must be in (0, 1) (got {p.dp.delta})")
-    require(
-        8 <= p.secagg.frac_bits <= 40,
-        "privacy.secagg.frac_bits",
-        f"must be in [8, 40] (got {p.secagg.frac_bits})",
-    )
-    require(
-        0 <= p.secagg.threshold < 1,
-        "privacy.secagg.threshold",
-        f"must be in [0, 1) (got {p.secagg.threshold})",
-    )
-    require(
-        0 <= p.secagg.dropout < 1,
-        "privacy.secagg.dropout",
-        f"must be in [0, 1) (got {p.secagg.dropout})",
-    )
 
 
 def clients_per_round(cfg: RunConfig) -> int:

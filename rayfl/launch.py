@@ -29,27 +29,60 @@ def simulate(
     parent_run_id: str | None = None,
     extra_callbacks: Sequence[Any] = (),
 ) -> Any:
-    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress)."""
-    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
+    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
+
+    Before any data is loaded or Ray started: the run directory is created and checked writable,
+    locked for this process (a second run on it stops with one line) and, for a resume, its
+    checkpoint is verified. A resume continues the MLflow run recorded in the directory.
+    """
     from rayfl.engine.checkpoint import Checkpoint
+    from rayfl.engine.rundir import RunLock, check_writable
+
+    run_dir = Path(run_dir)
+    check_writable(run_dir)
+    with RunLock(run_dir):
+        checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
+        if resume:
+            checkpoint.verify(cfg)
+        return _simulate_locked(
+            cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks
+        )
+
+
+def _simulate_locked(
+    cfg: RunConfig,
+    run_dir: Path,
+    checkpoint: Any,
+    progress: bool,
+    resume: bool,
+    parent_run_id: str | None,
+    extra_callbacks: Sequence[Any],
+) -> Any:
+    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
     from rayfl.engine.loop import Simulation
+    from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
     from rayfl.tracking import make_tracker
 
     sim = Simulation(cfg, run_dir)
     out = RunDirectory(run_dir)
+    previous = read_mlflow_run(run_dir) if resume else None
     tracker = make_tracker(
         cfg.tracking.backend,
         experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or Path(run_dir).name,
+        run_name=cfg.tracking.run_name or run_dir.name,
         tracking_uri=cfg.tracking.uri,
         parent_run_id=parent_run_id,
+        run_id=previous["run_id"] if previous else None,
     )
-    sim.callbacks = [Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume), out]
+    run_id = getattr(tracker, "run_id", None)
+    if cfg.tracking.backend == "mlflow" and run_id:
+        write_mlflow_run(run_dir, run_id, getattr(tracker, "tracking_uri", "") or "")
+    sim.callbacks = [checkpoint, out]
     sim.callbacks += list(extra_callbacks)
     sim.callbacks.append(TrackerCallback(tracker, out))
     if progress:
         sim.callbacks.append(ProgressBar())
     result = sim.run()
-    result.run_dir = Path(run_dir)
-    result.tracker_run_id = getattr(tracker, "run_id", None)
+    result.run_dir = run_dir
+    result.tracker_run_id = run_id
     return result

@@ -35,6 +35,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     ModelClient,
     Payload,
+    RoundContext,
     ServerContext,
     Trainer,
 )
@@ -50,14 +51,14 @@ class FDParams:
         require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
 
 
-class FDClient(ModelClient):
+class FDClient(ModelClient[FDParams]):
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
         super().__init__(ctx, params)
         self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
         self.global_counts = torch.zeros(ctx.num_classes)
         self.stats: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_logits, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class FDClient(ModelClient):
         return self.stats
 
 
-class FDServer(protos.ClassTableServer):
+class FDServer(protos.ClassTableServer[FDParams]):
     prefix = "fd"
 
     def __init__(self, ctx: ServerContext, params: FDParams) -> None:

@@ -50,6 +50,7 @@ from rayfl.algorithms.base import (
     Algorithm,
     Payload,
     Reply,
+    RoundContext,
     ServerContext,
     ServerData,
     load_numpy,
@@ -262,11 +263,11 @@ def feature_distill_loss(
 # ------------------------------------------------------------------------------------------------
 
 
-class FedFDClient(HeteroFLClient):
+class FedFDClient(HeteroFLClient[FedFDParams]):
     """A width level of ResNet-18 trained with cross-entropy on the received slice (as HeteroFL)."""
 
 
-class FedFDServer(HeteroFLServer):
+class FedFDServer(HeteroFLServer[FedFDParams]):
     """HeteroFL's sliced aggregation followed by ensemble feature and/or logit distillation."""
 
     metric_prefix = "fedfd"
@@ -284,8 +285,8 @@ class FedFDServer(HeteroFLServer):
         self._extractors: dict[str, SplitModel] = {}
         self._replies: list[Reply] = []
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
-        metrics = super().aggregate(replies, round_idx)
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
+        metrics = super().aggregate(replies, rnd)
         # The replies are the ensemble `update` distils from; dropped again once it has.
         self._replies = list(replies)
         return metrics
@@ -329,7 +330,7 @@ class FedFDServer(HeteroFLServer):
             return torch.optim.Adam(params, lr=p.lr, weight_decay=wd)
         return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=wd)
 
-    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+    def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         replies, self._replies = self._replies, []
         p = self.params
         if not replies or p.steps == 0:
@@ -339,7 +340,7 @@ class FedFDServer(HeteroFLServer):
         batches = [x for x, _ in data.batches("public", batch_size=size) if len(x) > 1]
         if not batches:
             log.warning(
-                "round %d: the public split is too small to distil from; skipped", round_idx
+                "round %d: the public split is too small to distil from; skipped", rnd.index
             )
             return {}
         feats, logits = self._targets(batches, replies)

@@ -39,6 +39,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -127,13 +128,13 @@ def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-class FedKDClient(ModelClient):
+class FedKDClient(ModelClient[FedKDParams]):
     def __init__(self, ctx: ClientContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
         self.mentee = build_model(params.mentee, ctx.in_shape, ctx.num_classes)
         self.received: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.mentee, payload)
         self.received = to_numpy(self.mentee.state_dict())
 
@@ -151,15 +152,15 @@ class FedKDClient(ModelClient):
         return svd_compress(update, self.params.svd_energy)
 
 
-class FedKDServer(Server):
+class FedKDServer(Server[FedKDParams]):
     def __init__(self, ctx: ServerContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
         self.mentee = build_model(params.mentee, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.mentee.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         updates = [svd_decompress(r.payload) for r in replies]
         avg = fn.weighted_average(updates, [r.num_samples for r in replies])
         current = to_numpy(self.mentee.state_dict())

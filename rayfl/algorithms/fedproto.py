@@ -29,6 +29,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     ModelClient,
     Payload,
+    RoundContext,
     ServerContext,
     Trainer,
 )
@@ -45,14 +46,14 @@ class FedProtoParams:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
 
 
-class FedProtoClient(ModelClient):
+class FedProtoClient(ModelClient[FedProtoParams]):
     def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
         self.stats: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ class FedProtoClient(ModelClient):
         return self.stats
 
 
-class FedProtoServer(protos.ClassTableServer):
+class FedProtoServer(protos.ClassTableServer[FedProtoParams]):
     prefix = "fedproto"
 
     def __init__(self, ctx: ServerContext, params: FedProtoParams) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -86,6 +87,10 @@ class HeteroFLParams:
             "algorithm.global_arch",
             f"{self.global_arch!r} is not a width-scaled ResNet-18; use resnet18 or resnet18_w1..w10",
         )
+
+
+# HeteroFL's halves serve FedFD too, with FedFD's larger params.
+HP = TypeVar("HP", bound=HeteroFLParams)
 
 
 def build_width_model(
@@ -150,16 +155,16 @@ def _as_tensors(payload: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v)) for k, v in payload.items()}
 
 
-class HeteroFLClient(Client):
+class HeteroFLClient(Client[HP]):
     """Trains the received width slice of the global model with cross-entropy."""
 
-    def __init__(self, ctx: ClientContext, params: HeteroFLParams) -> None:
+    def __init__(self, ctx: ClientContext, params: HP) -> None:
         super().__init__(ctx, params)
         self.model = build_width_model(ctx.arch, ctx.in_shape, ctx.num_classes, params)
         # The whole model is overwritten by the broadcast every round: no per-client state to store.
         self.persistent = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.model, payload)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
@@ -175,10 +180,10 @@ class HeteroFLClient(Client):
         return self.model
 
 
-class HeteroFLServer(Server):
+class HeteroFLServer(Server[HP]):
     """Holds the global model, slices it per width level and averages every entry over its holders."""
 
-    def __init__(self, ctx: ServerContext, params: HeteroFLParams) -> None:
+    def __init__(self, ctx: ServerContext, params: HP) -> None:
         super().__init__(ctx, params)
         self.model = build_width_model(
             params.global_arch, ctx.in_shape, ctx.num_classes, params
@@ -191,10 +196,10 @@ class HeteroFLServer(Server):
             self.shapes[arch] = state_shapes(meta.state_dict())
             self.feature_dims[arch] = meta.feature_dim
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(slice_state(self.model.state_dict(), self.shapes[arch]))
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         subs = [_as_tensors(r.payload) for r in replies]
         state = aggregate_sliced(
             self.model.state_dict(), subs, entry_weights(replies, self.params.weighting)

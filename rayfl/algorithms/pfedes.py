@@ -34,6 +34,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -99,7 +100,7 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
     return InputProxy(in_shape[0])
 
 
-class PFedESClient(ModelClient):
+class PFedESClient(ModelClient[PFedESParams]):
     def __new__(cls, ctx: ClientContext, params: PFedESParams) -> Any:
         # `variant: stats` uploads statistics, not a proxy: its own halves (pfedes_stats.py).
         if cls is PFedESClient and params.variant == "stats":
@@ -111,7 +112,7 @@ class PFedESClient(ModelClient):
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
         self.teacher: nn.Module | None = None
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.proxy, payload)
         if self.params.variant == "kd" and self.params.beta > 0:
             self.teacher = copy.deepcopy(self.proxy).eval().requires_grad_(False)
@@ -164,7 +165,7 @@ class PFedESClient(ModelClient):
         return {"pfedes/kl_local_proxy": float(fn.logit_kl(local_logits, proxy_logits))}
 
 
-class PFedESServer(Server):
+class PFedESServer(Server[PFedESParams]):
     sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
 
     @staticmethod
@@ -181,10 +182,10 @@ class PFedESServer(Server):
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.proxy.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         p = self.params
         current = to_numpy(self.proxy.state_dict())
         updates = [fn.subtract(r.payload, current) for r in replies]
@@ -192,7 +193,7 @@ class PFedESServer(Server):
             updates = [fn.clip_update(u, p.clip_update) for u in updates]
         weights = fn.normalized_weights([r.num_samples for r in replies], cap=p.weight_cap)
         aggregated = fn.add(current, fn.weighted_average(updates, weights))
-        if p.ema is not None and round_idx % p.ema_every == 0:
+        if p.ema is not None and rnd.index % p.ema_every == 0:
             aggregated = fn.ema(current, aggregated, p.ema)
         load_numpy(self.proxy, aggregated)
         return {}

@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms import protos
-from rayfl.algorithms.base import ClientContext, ModelClient, Payload, ServerContext, Trainer
+from rayfl.algorithms.base import (
+    ClientContext,
+    ModelClient,
+    Payload,
+    RoundContext,
+    ServerContext,
+    Trainer,
+)
 
 if TYPE_CHECKING:
     from rayfl.algorithms.pfedes import PFedESParams
@@ -65,10 +72,8 @@ def class_kd_loss(
     return (per_sample * known).mean() * (t * t)
 
 
-class PFedESStatsClient(ModelClient):
+class PFedESStatsClient(ModelClient["PFedESParams"]):
     """Trains the local model with CE plus distillation from the received class table."""
-
-    params: PFedESParams
 
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
@@ -76,7 +81,7 @@ class PFedESStatsClient(ModelClient):
         self.table, self.counts = torch.zeros(c, c), torch.zeros(c)
         self.stats: Payload = {}
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.table, self.counts = protos.stats_tensors(payload, self.ctx.device)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -108,7 +113,7 @@ class PFedESStatsClient(ModelClient):
         return self.stats
 
 
-class PFedESStatsServer(protos.ClassTableServer):
+class PFedESStatsServer(protos.ClassTableServer["PFedESParams"]):
     prefix = "pfedes"
 
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:

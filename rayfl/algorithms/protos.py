@@ -14,7 +14,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rayfl.algorithms.base import Batch, Payload, Reply, Server, ServerContext
+from rayfl.algorithms.base import (
+    Batch,
+    P,
+    Payload,
+    Reply,
+    RoundContext,
+    Server,
+    ServerContext,
+)
 
 
 def class_sums(
@@ -122,21 +130,21 @@ def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarr
     return np.concatenate(protos), np.concatenate(labels)
 
 
-class ClassTableServer(Server):
+class ClassTableServer(Server[P]):
     """Server of per-class statistics (FD's class logits, FedProto's prototypes): it averages the
     clients' tables per class by count and broadcasts the result."""
 
     prefix = "classes"
     sum_form = "class_means"
 
-    def __init__(self, ctx: ServerContext, params: object, dim: int) -> None:
+    def __init__(self, ctx: ServerContext, params: P, dim: int) -> None:
         super().__init__(ctx, params)
         self.table = empty_class_stats(ctx.num_classes, dim)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return dict(self.table)
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         self.table = aggregate_class_means([r.payload for r in replies])
         return {f"{self.prefix}/classes_known": float(np.count_nonzero(self.table["counts"]))}
 

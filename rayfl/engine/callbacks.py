@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rayfl.config import to_dict
+from rayfl.config import RunConfig, to_dict
+from rayfl.engine.rundir import strict_json
+from rayfl.locking import temp_path, write_atomic
 
 if TYPE_CHECKING:
+    from rayfl.engine.checkpoint import Restored
+    from rayfl.engine.executor import Executor
     from rayfl.engine.loop import Simulation
     from rayfl.tracking.base import Tracker
 
@@ -22,12 +26,31 @@ log = logging.getLogger(__name__)
 
 
 class Callback:
-    """Hooks the round loop calls; `should_stop` ends the run after the current round."""
+    """Hooks the round loop calls; `should_stop` ends the run after the current round.
+
+    Callbacks read what the loop passes them and never write into the simulation: a callback
+    that restores a run returns the state from `resume_state` and the loop applies it.
+    """
 
     should_stop = False
 
+    def resume_state(self, cfg: RunConfig) -> Restored | None:
+        """A checkpoint to continue from, or None; called once before `on_run_start`."""
+        return None
+
     def on_run_start(self, sim: Simulation) -> None:
         pass
+
+    def on_round_state(
+        self,
+        cfg: RunConfig,
+        round_idx: int,
+        participants: Sequence[int],
+        executor: Executor,
+        history: list[dict[str, float]],
+    ) -> None:
+        """After a round, before `on_round_end`: the round's participants and where the client and
+        server states live (checkpoints read them; nothing else should need this)."""
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         pass
@@ -97,13 +120,17 @@ class RunDirectory(Callback):
         self.run_dir = Path(run_dir)
         self.started = time.time()
         self.artifacts: list[Path] = []
+        self._opened = False
 
     def on_run_start(self, sim: Simulation) -> None:
         from rayfl.data.federated import plot_label_distribution, save_partition
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._opened = True
         config_path = self.run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(to_dict(sim.cfg), sort_keys=False))
+        write_atomic(config_path, yaml.safe_dump(to_dict(sim.cfg), sort_keys=False).encode())
+        # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
+        self.write_summary(sim, "RUNNING")
         self.artifacts = [config_path]
         self.artifacts += save_partition(sim.federation, self.run_dir)
         self.artifacts.append(
@@ -113,9 +140,8 @@ class RunDirectory(Callback):
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
 
-    def on_run_end(self, sim: Simulation, status: str) -> None:
-        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
-
+    def write_summary(self, sim: Simulation, status: str) -> None:
+        """summary.json as strict JSON (NaN and inf written as null), replaced atomically."""
         history = sim.result.history
         summary = {
             "status": status,
@@ -127,7 +153,16 @@ class RunDirectory(Callback):
             "config": to_dict(sim.cfg),
             "versions": versions(),
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2).encode())
+
+    def on_run_end(self, sim: Simulation, status: str) -> None:
+        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
+
+        if not self._opened:
+            # the run failed before it started (e.g. a refused resume): leave the directory as it was
+            return
+        history = sim.result.history
+        self.write_summary(sim, status)
         self.artifacts += [self.run_dir / "summary.json"]
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
@@ -149,7 +184,7 @@ def write_metrics(history: list[dict[str, float]], path: Path) -> None:
 
     keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
     table = pa.table({k: [row.get(k) for row in history] for k in keys})
-    tmp = path.with_suffix(".tmp")
+    tmp = temp_path(path)
     pq.write_table(table, tmp)
     tmp.replace(path)
 

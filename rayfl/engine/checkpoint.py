@@ -1,85 +1,400 @@
-"""Checkpoints in the run directory, so nothing a user started is lost on a crash.
+"""Checkpoints in the run directory: nothing a user started is lost on a crash, and nothing in a
+run directory can run code when it is resumed.
 
-Layout: `checkpoint/meta.json` (last finished round, metric history), `checkpoint/server.pkl`,
-`checkpoint/clients/<id>.npz` (one file per client, rewritten only when that client trained, so a
-round costs the writes of its participants, streamed one state at a time).
+Layout::
+
+    <run_dir>/checkpoint -> checkpoint.r00003-<pid>-<hex>    a symlink: the current checkpoint
+    <run_dir>/checkpoint.r00003-<pid>-<hex>/
+        manifest.json      format, round, run-config hash, every file's size and sha256
+        history.json       the metric rows of rounds 1..round
+        server.npz         the server half's state
+        clients/<id>.npz   one file per client that has trained so far
+
+A checkpoint is written into a new folder; it becomes current by one atomic rename (a new
+symlink renamed over ``checkpoint``), so a crash at any moment leaves either the previous
+checkpoint or the new one, never a mix. Client files of clients that did not train since the last
+checkpoint are hard-linked from it (copied where links are not possible), so a round costs the
+writes of its participants only. Nothing is read with pickle: states are ``.npz`` files loaded with
+``allow_pickle=False``; nested dicts, lists, None and scalars are described by a JSON tree stored
+in the same file (see :func:`encode_state`). ``--resume`` checks the manifest (round, file list,
+sizes, checksums, config hash) and refuses a torn, foreign or truncated checkpoint in one line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import pickle
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rayfl.config import RunConfig, to_dict
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import UserError
+from rayfl.locking import unique_suffix
 
 if TYPE_CHECKING:
-    from rayfl.engine.loop import Simulation
+    from rayfl.engine.executor import Executor
 
 log = logging.getLogger(__name__)
 
+FORMAT = "rayfl-checkpoint/1"
+LINK = "checkpoint"
+_FOLDER = re.compile(r"^checkpoint\.r\d{5,}-[0-9]+-[0-9a-f]+$")
+_FILE = re.compile(r"^(server\.npz|history\.json|clients/[0-9]+\.npz)$")
+_TREE = "__tree__"
+# engine settings that change where and how fast a run goes, never its numbers: a resume may
+# change them (and tracking, name); everything else must match the checkpoint's config hash.
+_RESULT_ENGINE_KEYS = ("fraction", "clients_per_round", "eval_every", "min_replies")
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of the settings that determine a run's numbers (everything but engine placement,
+    engine.rounds, checkpointing, tracking and the name)."""
+    d = to_dict(cfg)
+    engine = d.pop("engine")
+    for key in ("tracking", "name"):
+        d.pop(key, None)
+    d["engine"] = {k: engine[k] for k in _RESULT_ENGINE_KEYS if k in engine}
+    text = json.dumps(d, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------- states without pickle
+
+
+def encode_state(obj: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """Split a nested state into a JSON-able tree and its arrays (named ``a0``, ``a1``, ...).
+
+    Supported: numpy arrays and scalars, dicts with str/int keys, lists, tuples, None, bool,
+    int, float (exact, NaN and inf included) and str.
+
+    Raises:
+        TypeError: a value of another type (the message names its path in the state).
+    """
+    arrays: dict[str, np.ndarray] = {}
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, np.ndarray | np.generic):
+            arr = np.asarray(x)
+            if arr.dtype.hasobject:
+                raise TypeError(f"state {path}: object arrays cannot be checkpointed")
+            name = f"a{len(arrays)}"
+            arrays[name] = arr
+            return {"a": name}
+        if x is None or isinstance(x, bool | str):
+            return {"v": x}
+        if isinstance(x, int):
+            return {"i": str(x)}
+        if isinstance(x, float):
+            return {"f": x.hex()}
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                if isinstance(k, bool) or not isinstance(k, str | int | np.integer):
+                    raise TypeError(f"state {path}: key {k!r} is not a str or int")
+                key: Any = k if isinstance(k, str) else int(k)
+                items.append([key, enc(v, f"{path}.{k}")])
+            return {"d": items}
+        if isinstance(x, list | tuple):
+            kind = "l" if isinstance(x, list) else "t"
+            return {kind: [enc(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        raise TypeError(f"state {path}: {type(x).__name__} cannot be checkpointed")
+
+    return enc(obj, "state"), arrays
+
+
+def decode_state(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """Inverse of :func:`encode_state`."""
+    if not isinstance(tree, dict) or len(tree) != 1:
+        raise ValueError(f"malformed state tree node {tree!r}")
+    ((kind, v),) = tree.items()
+    if kind == "a":
+        return arrays[v]
+    if kind == "v":
+        return v
+    if kind == "i":
+        return int(v)
+    if kind == "f":
+        return float.fromhex(v)
+    if kind == "d":
+        return {k: decode_state(x, arrays) for k, x in v}
+    if kind == "l":
+        return [decode_state(x, arrays) for x in v]
+    if kind == "t":
+        return tuple(decode_state(x, arrays) for x in v)
+    raise ValueError(f"unknown state tree node {kind!r}")
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write and fsync one checkpoint file (a separate function so tests can interrupt it)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def state_bytes(state: Any) -> bytes:
+    """A state as the bytes of an ``.npz`` file (arrays plus the JSON tree as uint8)."""
+    import io
+
+    tree, arrays = encode_state(state)
+    buf = io.BytesIO()
+    meta = np.frombuffer(json.dumps(tree, allow_nan=False).encode(), dtype=np.uint8)
+    np.savez(buf, **{_TREE: meta}, **arrays)  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def load_state(path: Path) -> Any:
+    """Read a state written by :func:`state_bytes`; never unpickles."""
+    with np.load(path, allow_pickle=False) as z:
+        tree = json.loads(bytes(z[_TREE]).decode())
+        arrays = {k: z[k] for k in z.files if k != _TREE}
+    return decode_state(tree, arrays)
+
+
+def _history_json(history: list[dict[str, float]]) -> bytes:
+    # Strict JSON: non-finite values as strings ("nan", "inf", "-inf") that float() reads back.
+    rows = [
+        {k: (v if not isinstance(v, float) or math.isfinite(v) else repr(v)) for k, v in r.items()}
+        for r in history
+    ]
+    return json.dumps(rows, allow_nan=False).encode()
+
+
+def _read_history(data: bytes) -> list[dict[str, float]]:
+    rows = json.loads(data)
+    return [{k: float(v) for k, v in r.items()} for r in rows]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------- restore
+
+
+@dataclass
+class Restored:
+    """A verified checkpoint: what the simulation applies to continue after ``round``."""
+
+    round: int
+    history: list[dict[str, float]]
+    server_state: Any
+    folder: Path
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def client_ids(self) -> list[int]:
+        return sorted(
+            int(n[len("clients/") : -len(".npz")]) for n in self.files if n.startswith("clients/")
+        )
+
+    def client_states(self) -> Iterator[tuple[int, Any]]:
+        """Yield ``(client id, state)`` one at a time."""
+        for cid in self.client_ids():
+            path = self.folder / "clients" / f"{cid}.npz"
+            yield cid, _load_verified(path, self.files[f"clients/{cid}.npz"])
+
+
+def _refuse(ckpt: Path, problem: str) -> UserError:
+    return UserError(
+        f"cannot resume from {ckpt}: {problem}; the run directory was changed or written by "
+        "something else. Start a new run (rayfl run CONFIG --out NEW_DIR)"
+    )
+
+
+def _load_verified(path: Path, info: dict[str, Any]) -> Any:
+    try:
+        return load_state(path)
+    except Exception as exc:  # a file that passed its checksum but does not parse
+        raise _refuse(path, f"unreadable state file ({type(exc).__name__})") from None
+
+
+def verify(run_dir: Path, cfg: RunConfig) -> Restored:
+    """Check the current checkpoint of ``run_dir`` against its manifest and ``cfg`` and load it.
+
+    Raises:
+        UserError: no checkpoint, an old (pickle) checkpoint, a torn, truncated, foreign or
+            mismatched one; one line each.
+    """
+    link = run_dir / LINK
+    if not link.is_symlink():
+        if link.is_dir() and (link / "server.pkl").exists():
+            raise UserError(
+                f"cannot resume from {link}: it was written by an older rayfl that stored the "
+                "server with pickle, which rayfl no longer loads; start a new run"
+            )
+        if link.exists():
+            raise _refuse(link, "it is not a checkpoint link")
+        raise UserError(
+            f"no checkpoint in {run_dir}: --resume needs a run directory written by "
+            "`rayfl run --out` with engine.checkpoint_every > 0 that finished at least one round"
+        )
+    target = os.readlink(link)
+    if not _FOLDER.match(target):
+        raise _refuse(link, f"it points outside the run directory ({target!r})")
+    folder = run_dir / target
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise _refuse(folder, "manifest.json is missing") from None
+    except (OSError, ValueError):
+        raise _refuse(folder, "manifest.json is unreadable or truncated") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _refuse(folder, f"manifest.json is not a {FORMAT} manifest")
+    rnd, files = manifest.get("round"), manifest.get("files")
+    if not isinstance(rnd, int) or rnd < 1 or not isinstance(files, dict):
+        raise _refuse(folder, "manifest.json lacks the round or the file list")
+    if manifest.get("config_hash") != config_hash(cfg):
+        raise UserError(
+            f"cannot resume from {folder}: the checkpoint was written with other settings "
+            "(seed, data, model, algorithm, train or sampling differ from this run's config); "
+            "resume with the run directory's own config.yaml, or start a new run"
+        )
+    for name in ("server.npz", "history.json"):
+        if name not in files:
+            raise _refuse(folder, f"the manifest does not list {name}")
+    for name, info in files.items():
+        if not _FILE.match(name) or not isinstance(info, dict):
+            raise _refuse(folder, f"the manifest lists an unexpected file {name!r}")
+        path = folder / name
+        if not path.is_file():
+            raise _refuse(folder, f"{name} is missing")
+        if path.stat().st_size != info.get("bytes") or _sha256(path) != info.get("sha256"):
+            raise _refuse(folder, f"{name} is truncated or changed (checksum mismatch)")
+    try:
+        history = _read_history((folder / "history.json").read_bytes())
+    except (ValueError, TypeError, AttributeError):
+        raise _refuse(folder, "history.json is malformed") from None
+    if [int(r.get("round", -1)) for r in history] != list(range(1, rnd + 1)):
+        raise _refuse(folder, f"history.json does not hold rounds 1..{rnd}")
+    server = _load_verified(folder / "server.npz", files["server.npz"])
+    return Restored(round=rnd, history=history, server_state=server, folder=folder, files=files)
+
+
+# ---------------------------------------------------------------------------- save
 
 
 class Checkpoint(Callback):
-    """Saves every `every` rounds; with `resume=True`, restores the last checkpoint before round one."""
+    """Saves every ``every`` rounds (and after the last one); with ``resume=True``, hands the
+    loop the verified last checkpoint (see :meth:`resume_state`)."""
 
-    def __init__(self, run_dir: str | Path, every: int, resume: bool = False) -> None:
-        self.dir = Path(run_dir) / "checkpoint"
+    def __init__(
+        self, run_dir: str | Path, every: int, resume: bool = False, cfg: RunConfig | None = None
+    ) -> None:
+        self.run_dir = Path(run_dir)
         self.every = every
         self.resume = resume
+        self.cfg = cfg
         self._dirty: set[int] = set()
+        self._restored: Restored | None = None
+        # the checkpoint this run wrote or resumed from: its folder and manifest files
+        self._current: tuple[Path, dict[str, dict[str, Any]]] | None = None
 
-    def on_run_start(self, sim: Simulation) -> None:
-        if self.resume:
-            restore(sim, self.dir)
+    def verify(self, cfg: RunConfig) -> Restored:
+        """Verify and load the checkpoint to resume from (cached; call it before heavy work)."""
+        self.cfg = cfg
+        if self._restored is None:
+            self._restored = verify(self.run_dir, cfg)
+            self._current = (self._restored.folder, self._restored.files)
+        return self._restored
 
-    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        self._dirty.update(sim.last_clients)
-        if self.every and (round_idx % self.every == 0 or round_idx == sim.cfg.engine.rounds):
-            self.save(sim, round_idx)
+    def resume_state(self, cfg: RunConfig) -> Restored | None:
+        if not self.resume:
+            return None
+        restored = self.verify(cfg)
+        log.info("resuming from %s after round %d", restored.folder, restored.round)
+        return restored
 
-    def save(self, sim: Simulation, round_idx: int) -> None:
-        assert sim.executor is not None
-        clients_dir = self.dir / "clients"
-        clients_dir.mkdir(parents=True, exist_ok=True)
-        for cid, state in sim.executor.client_states(sorted(self._dirty)):
-            tmp = clients_dir / f"{cid}.tmp.npz"
-            np.savez(tmp, **state)  # type: ignore[arg-type]
-            tmp.replace(clients_dir / f"{cid}.npz")
+    def on_round_state(
+        self,
+        cfg: RunConfig,
+        round_idx: int,
+        participants: Sequence[int],
+        executor: Executor,
+        history: list[dict[str, float]],
+    ) -> None:
+        self.cfg = cfg
+        self._dirty.update(participants)
+        if self.every and (round_idx % self.every == 0 or round_idx == cfg.engine.rounds):
+            self.save(round_idx, executor, history)
+
+    def save(self, round_idx: int, executor: Executor, history: list[dict[str, float]]) -> None:
+        assert self.cfg is not None, "Checkpoint.save needs the run config"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        folder = self.run_dir / f"checkpoint.r{round_idx:05d}-{unique_suffix()}"
+        (folder / "clients").mkdir(parents=True)
+        files: dict[str, dict[str, Any]] = {}
+
+        def put(name: str, data: bytes) -> None:
+            write_file(folder / name, data)
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+        written = set()
+        for cid, state in executor.client_states(sorted(self._dirty)):
+            put(f"clients/{cid}.npz", state_bytes(state))
+            written.add(cid)
+        if self._current is not None:
+            prev_folder, prev_files = self._current
+            for name, info in prev_files.items():
+                if name.startswith("clients/") and name not in files:
+                    _link_or_copy(prev_folder / name, folder / name)
+                    files[name] = info
+        put("server.npz", state_bytes(executor.server_state()))
+        put("history.json", _history_json(history))
+        manifest = {
+            "format": FORMAT,
+            "round": round_idx,
+            "config_hash": config_hash(self.cfg),
+            "files": dict(sorted(files.items())),
+        }
+        write_file(folder / "manifest.json", json.dumps(manifest, indent=1).encode())
+        _fsync_dir(folder / "clients")
+        _fsync_dir(folder)
+        self._swap(folder)
+        self._current = (folder, files)
         self._dirty.clear()
-        _atomic_write(
-            self.dir / "server.pkl", pickle.dumps(sim.executor.server_state(), protocol=5)
-        )
-        meta = {"round": round_idx, "history": sim.result.history}
-        _atomic_write(self.dir / "meta.json", json.dumps(meta).encode())
-        log.debug("checkpoint after round %d in %s", round_idx, self.dir)
+        log.debug("checkpoint after round %d in %s", round_idx, folder)
+
+    def _swap(self, folder: Path) -> None:
+        """Make ``folder`` current by one atomic rename, then remove the folders it replaces."""
+        link = self.run_dir / LINK
+        if link.is_dir() and not link.is_symlink():
+            # a checkpoint folder of an older rayfl: keep it aside rather than delete it
+            link.rename(self.run_dir / f"checkpoint.legacy-{unique_suffix()}")
+        tmp = self.run_dir / f".checkpoint.link-{unique_suffix()}"
+        os.symlink(folder.name, tmp)
+        os.replace(tmp, link)
+        _fsync_dir(self.run_dir)
+        for old in self.run_dir.glob("checkpoint.r*"):
+            if old.name != folder.name and _FOLDER.match(old.name):
+                shutil.rmtree(old, ignore_errors=True)
+        for old in self.run_dir.glob(".checkpoint.link-*"):
+            old.unlink(missing_ok=True)
 
 
-def restore(sim: Simulation, ckpt_dir: Path) -> None:
-    """Load server and client states and the history; the loop continues after the saved round."""
-    meta_path = ckpt_dir / "meta.json"
-    if not meta_path.exists():
-        raise UserError(
-            f"no checkpoint in {ckpt_dir}: --resume needs a run directory written by `rayfl run --out`"
-        )
-    meta = json.loads(meta_path.read_text())
-    assert sim.executor is not None
-    sim.executor.load_server_state(pickle.loads((ckpt_dir / "server.pkl").read_bytes()))
-    for path in sorted((ckpt_dir / "clients").glob("*.npz")):
-        if ".tmp" in path.name:
-            continue
-        with np.load(path) as data:
-            sim.executor.load_client_state(int(path.stem), {k: data[k] for k in data.files})
-    sim.result.history = list(meta["history"])
-    sim.start_round = int(meta["round"]) + 1
-    log.info("resumed from %s after round %d", ckpt_dir, meta["round"])
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -35,7 +37,9 @@ class Executor(ABC):
     spec: RunSpec
 
     @abstractmethod
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
         """Payload sizes and handles, one per architecture among this round's clients."""
 
     @abstractmethod
@@ -78,8 +82,10 @@ class SerialExecutor(Executor):
         self.server = ServerRunner(spec, federation, device)
         self.states: dict[int, Payload] = {}
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
-        sizes, payloads = self.server.broadcast(archs)
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        sizes, payloads = self.server.broadcast(round_idx, archs)
         return sizes, dict(zip(archs, payloads))
 
     def fit(
@@ -110,8 +116,23 @@ class SerialExecutor(Executor):
         self.states[client_id] = state
 
 
+def ray_get(refs: Any, timeout: float | None = None) -> Any:
+    """`ray.get` that re-raises a user error raised inside an actor as itself (its one line),
+    not wrapped in Ray's `RayTaskError` with the remote traceback."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserError):
+            raise exc.cause from None
+        raise
+
+
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Start a private local Ray (or join `address`); returns True when this call started it."""
+    """Start a private local Ray (or join `address`); returns True when this call started it.
+
+    `ray.init` replaces the process's SIGTERM handler with one that exits at once; the caller's
+    handler (the CLI's, which stops a run like Ctrl-C) is put back.
+    """
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {
@@ -119,6 +140,8 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
         "log_to_driver": True,
         "configure_logging": False,
     }
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -129,6 +152,16 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
             f"could not reach the Ray cluster at engine.address={address!r} ({exc}); start one with "
             "`ray start --head`, check the address, or drop engine.address to run a local Ray"
         ) from None
+    except (TimeoutError, ray.exceptions.GetTimeoutError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"join engine.address={address!r}" if address else "start a local Ray"
+        raise UserError(
+            f"could not {where} ({first}); the machine may be overloaded or out of /tmp space "
+            "(set RAY_TMPDIR), or use engine.executor=serial"
+        ) from None
+    finally:
+        if main_thread and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
     return True
 
 
@@ -182,16 +215,57 @@ class RayExecutor(Executor):
                 max_restarts=0,
             )
             self.workers = [self._new_worker() for _ in range(self.num_workers)]
-            server_cls: Any = ray.remote(ServerActor)
-            self.server = server_cls.options(
+            self._server_cls: Any = ray.remote(ServerActor).options(
                 num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
-            ).remote(spec, self._federation_ref)
-            ray.get([w.info.remote() for w in self.workers] + [self.server.device.remote()])
-        except Exception:
+            )
+            server: Any = self._server_cls.remote(spec, self._federation_ref)
+            self.server = server
+            self._wait_started([w.info.remote() for w in self.workers] + [server.device.remote()])
+        except BaseException:
             self.close()
             raise
         self.states: dict[int, ray.ObjectRef] = {}
+        # The server state after the last finished server step, as an object the driver owns
+        # (it outlives the server actor): a restarted server starts from it. None: a fresh server
+        # is identical (it is built from the seed).
+        self._server_state: Any = None
         log.info("Ray executor: %d workers", self.num_workers)
+
+    def _wait_started(self, refs: list[Any]) -> None:
+        timeout = self.cfg.engine.startup_timeout_s
+        try:
+            ray_get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(
+                f"the Ray workers and server did not start within engine.startup_timeout_s={timeout:g} s "
+                "(the cluster lacks free resources or is overloaded; `ray status` shows them); "
+                "raise engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
+            ) from None
+
+    def _restart_server(self, why: str) -> None:
+        """Replace a dead server actor by a new one holding the last round's server state."""
+        log.warning("%s: the server actor died; restarting it from the last server state", why)
+        with suppress(Exception):
+            ray.kill(self.server)
+        self.server = self._server_cls.remote(self.spec, self._federation_ref)
+        self._wait_started([self.server.device.remote()])
+        if self._server_state is not None:
+            ray_get(self.server.load_state_dict.remote(self._server_state))
+
+    def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
+        """Run `call` (which uses `self.server`); on a dead server restart it and run it again."""
+        retries = self.cfg.engine.max_retries
+        for attempt in range(retries + 1):
+            try:
+                return call()
+            except ray.exceptions.RayActorError:
+                if attempt == retries:
+                    raise UserError(
+                        f"{why}: the server actor died {attempt + 1} times; check memory "
+                        "(engine.server_resources) or raise engine.max_retries"
+                    ) from None
+                self._restart_server(why)
+        raise AssertionError("unreachable")
 
     def _new_worker(self) -> Any:
         return self._worker_cls.remote(self.spec, self._federation_ref)
@@ -199,9 +273,16 @@ class RayExecutor(Executor):
     def worker_info(self) -> list[dict[str, Any]]:
         return ray.get([w.info.remote() for w in self.workers])
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], dict[str, Any]]:
-        refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(list(archs))
-        return ray.get(refs[0]), dict(zip(archs, refs[1:]))
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        def call() -> tuple[dict[str, int], dict[str, Any]]:
+            refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(
+                round_idx, list(archs)
+            )
+            return ray_get(refs[0]), dict(zip(archs, refs[1:]))
+
+        return self._with_server("broadcast", call)
 
     def fit(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
@@ -241,7 +322,7 @@ class RayExecutor(Executor):
                 break
             slot, batch, refs = running.pop(done[0])
             try:
-                metrics.extend(ray.get(refs[0]))
+                metrics.extend(ray_get(refs[0]))
             except ray.exceptions.RayActorError:
                 key = tuple(batch)
                 retries[key] = retries.get(key, 0) + 1
@@ -263,13 +344,28 @@ class RayExecutor(Executor):
         return metrics, reply_refs
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
-        return ray.get(self.server.step.remote(round_idx, evaluate, *replies))
+        # The replies are objects the driver owns: a restarted server steps on the same ones.
+        def call() -> dict[str, float]:
+            metrics, state = self.server.step_and_state.options(num_returns=2).remote(
+                round_idx, evaluate, *replies
+            )
+            out = ray_get(metrics)
+            self._server_state = state
+            return out
+
+        return self._with_server(f"round {round_idx}", call)
 
     def server_state(self) -> dict[str, Any]:
-        return ray.get(self.server.state_dict.remote())
+        if self._server_state is not None:
+            return ray_get(self._server_state)
+        return self._with_server("server state", lambda: ray_get(self.server.state_dict.remote()))
 
     def load_server_state(self, state: dict[str, Any]) -> None:
-        ray.get(self.server.load_state_dict.remote(state))
+        self._server_state = ray.put(state)
+        self._with_server(
+            "load server state",
+            lambda: ray_get(self.server.load_state_dict.remote(self._server_state)),
+        )
 
     def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
         for c in client_ids:

@@ -25,6 +25,7 @@ from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.callbacks import Callback
+from rayfl.engine.checkpoint import Restored
 from rayfl.engine.executor import Executor, make_executor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
@@ -101,6 +102,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         min_replies=e.min_replies,
+        rounds=e.rounds,
         privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
@@ -164,14 +166,19 @@ class Simulation:
         self.spec = make_spec(cfg, self.archs, self.federation)
         self.result = RunResult(cfg)
         self.start_round = 1
+        self.last_clients: list[int] = []
         self.executor: Executor | None = None
 
     def run(self) -> RunResult:
         cfg = self.cfg
         status = "FAILED"
-        self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
         comm = {"up": 0.0, "down": 0.0}
         try:
+            self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+            for cb in self.callbacks:
+                restored = cb.resume_state(cfg)
+                if restored is not None:
+                    self.restore(restored)
             for cb in self.callbacks:
                 cb.on_run_start(self)
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
@@ -179,6 +186,10 @@ class Simulation:
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
                 row = self.run_round(rnd, comm)
                 self.result.history.append(row)
+                for cb in self.callbacks:
+                    cb.on_round_state(
+                        cfg, rnd, self.last_clients, self.executor, self.result.history
+                    )
                 for cb in self.callbacks:
                     cb.on_round_end(self, rnd, row)
                 if any(cb.should_stop for cb in self.callbacks):
@@ -194,8 +205,19 @@ class Simulation:
                     cb.on_run_end(self, status)
                 except Exception:  # a failing callback must not hide the run's own error
                     log.exception("callback %s failed at the end of the run", type(cb).__name__)
-            self.executor.close()
+            if self.executor is not None:
+                self.executor.close()
         return self.result
+
+    def restore(self, restored: Restored) -> None:
+        """Continue after a checkpoint: server and client states, history, next round."""
+        assert self.executor is not None
+        self.executor.load_server_state(restored.server_state)
+        for cid, state in restored.client_states():
+            self.executor.load_client_state(cid, state)
+        self.result.history = list(restored.history)
+        self.start_round = restored.round + 1
+        log.info("resumed after round %d", restored.round)
 
     def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float]:
         assert self.executor is not None
@@ -204,7 +226,7 @@ class Simulation:
         evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
         clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
         archs = sorted({self.archs[c] for c in clients})
-        sizes, payloads = ex.broadcast(archs)
+        sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
         server_start = time.perf_counter()

@@ -87,8 +87,11 @@ class ServerRunner:
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], list[Payload]]:
-        payloads = [self.server.broadcast(a) for a in archs]
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], list[Payload]]:
+        rnd = self.spec.round_context(round_idx)
+        payloads = [self.server.broadcast(a, rnd) for a in archs]
         self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
@@ -125,10 +128,11 @@ class ServerRunner:
         if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
             valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
             metrics.update(privacy_metrics)
-        metrics.update(self.server.aggregate(valid, round_idx))
+        rnd = self.spec.round_context(round_idx)
+        metrics.update(self.server.aggregate(valid, rnd))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))
         self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
-        metrics.update(self.server.update(self.data, round_idx))
+        metrics.update(self.server.update(self.data, rnd))
         if evaluate:
             for name, model in self.server.eval_models().items():
                 correct, total = accuracy(model, self.data.batches("test"))
@@ -148,12 +152,20 @@ class ServerActor:
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
-    def broadcast(self, archs: list[str]) -> tuple[Any, ...]:
-        sizes, payloads = self.runner.broadcast(archs)
+    def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:
+        sizes, payloads = self.runner.broadcast(round_idx, archs)
         return (sizes, *payloads)
 
     def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:
         return self.runner.step(round_idx, reply_lists, evaluate)
+
+    def step_and_state(
+        self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """The step's metrics and the server state after it, returned together (call with
+        `num_returns=2`): the driver owns the state object, which outlives this actor."""
+        metrics = self.runner.step(round_idx, reply_lists, evaluate)
+        return metrics, self.runner.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfl.algorithms.base import Algorithm, ClientContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    RoundContext,
+    ServerContext,
+    TrainSettings,
+)
 from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
 
@@ -37,7 +43,12 @@ class RunSpec:
     num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
     min_replies: int = 1
+    rounds: int = 1  # engine.rounds: the schedule's length every round hook sees
     privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
+
+    def round_context(self, round_idx: int) -> RoundContext:
+        """What both halves learn of the schedule in round `round_idx`."""
+        return RoundContext(index=round_idx, total=self.rounds)
 
     @property
     def algo(self) -> Algorithm:

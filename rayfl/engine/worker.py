@@ -83,7 +83,7 @@ class ClientRunner:
                 client.load_state_dict(state)
             seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
             torch.manual_seed(seed)
-            client.receive(payloads.get(arch, {}))
+            client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
             split = self.federation.clients[cid]
             trainer = LocalTrainer(
                 self.federation.dataset,

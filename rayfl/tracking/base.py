@@ -164,6 +164,7 @@ def make_tracker(
     tracking_uri: str | None = None,
     parent_run_id: str | None = None,
     tags: Mapping[str, str] | None = None,
+    run_id: str | None = None,
 ) -> Tracker:
     """Build the tracker named by the config key ``tracking.backend``.
 
@@ -174,6 +175,7 @@ def make_tracker(
         tracking_uri: MLflow store; defaults to :func:`default_tracking_uri`.
         parent_run_id: Nest this run under another (a sweep's parent run).
         tags: Tags set when the run is created.
+        run_id: Continue this MLflow run (a resumed simulation) instead of starting one.
 
     Returns:
         A started tracker; call ``close()`` when the run ends.
@@ -190,6 +192,7 @@ def make_tracker(
             tracking_uri=tracking_uri or default_tracking_uri(),
             parent_run_id=parent_run_id,
             tags=tags,
+            run_id=run_id,
         )
     if backend == "stdout":
         from rayfl.tracking.stdout import StdoutTracker

@@ -28,6 +28,7 @@ from urllib.parse import unquote
 import yaml
 
 from rayfl.errors import UserError
+from rayfl.locking import locked
 from rayfl.tracking.base import (
     TrackerBase,
     check_status,
@@ -85,11 +86,9 @@ def prepare_experiment(experiment: str, tracking_uri: str | None = None) -> str:
     Raises:
         UserError: The store cannot be reached or the experiment was deleted.
     """
-    from mlflow import MlflowClient
-
     uri = tracking_uri or default_tracking_uri()
     try:
-        return _get_or_create_experiment(MlflowClient(tracking_uri=uri), experiment, uri)
+        return _open_experiment(uri, experiment)[1]
     except UserError:
         raise
     except Exception as exc:
@@ -99,12 +98,29 @@ def prepare_experiment(experiment: str, tracking_uri: str | None = None) -> str:
         ) from exc
 
 
+def _open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
+    """An ``MlflowClient`` for ``uri`` and the id of ``experiment`` (created if needed).
+
+    A SQLite store is opened under an exclusive file lock next to the database
+    (``<db>.lock``): MLflow creates and migrates the schema on first use, and two processes doing
+    that on a fresh file at once fail (``duplicate column name``).
+    """
+    from mlflow import MlflowClient
+
+    db = _sqlite_path(uri)
+    if db is None:
+        client = MlflowClient(tracking_uri=uri)
+        return client, _get_or_create_experiment(client, experiment, uri)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with locked(db.with_name(db.name + ".lock")):
+        client = MlflowClient(tracking_uri=uri)
+        return client, _get_or_create_experiment(client, experiment, uri)
+
+
 def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
     from mlflow.exceptions import MlflowException
 
     db = _sqlite_path(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
@@ -158,9 +174,8 @@ class MlflowTracker(TrackerBase):
         tags: Mapping[str, str] | None = None,
         retry_after_s: float = 30.0,
         max_pending: int = 100_000,
+        run_id: str | None = None,
     ) -> None:
-        from mlflow import MlflowClient
-
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.experiment = experiment
         self.retry_after_s = retry_after_s
@@ -169,11 +184,10 @@ class MlflowTracker(TrackerBase):
         if parent_run_id:
             run_tags["mlflow.parentRunId"] = parent_run_id
         try:
-            self.client = MlflowClient(tracking_uri=self.tracking_uri)
-            self.experiment_id = _get_or_create_experiment(
-                self.client, experiment, self.tracking_uri
-            )
-            run = self.client.create_run(self.experiment_id, tags=run_tags, run_name=run_name)
+            self.client, self.experiment_id = _open_experiment(self.tracking_uri, experiment)
+            run = self._continue_run(run_id) if run_id else None
+            if run is None:
+                run = self.client.create_run(self.experiment_id, tags=run_tags, run_name=run_name)
         except UserError:
             raise
         except Exception as exc:
@@ -197,6 +211,38 @@ class MlflowTracker(TrackerBase):
             experiment,
             self.tracking_uri,
         )
+
+    def _continue_run(self, run_id: str) -> Any:
+        """Reopen the run a resumed simulation logged to; None (and a warning) when it is gone.
+
+        A run still RUNNING was left so by a killed driver (the caller holds the run directory's
+        lock): it is marked KILLED first, then continued; the tag ``rayfl.resumes`` counts resumes.
+        """
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as exc:
+            logger.warning(
+                "MLflow run %s of this run directory is not in %s (%s); starting a new run",
+                run_id,
+                self.tracking_uri,
+                exc.error_code,
+            )
+            return None
+        if run.info.lifecycle_stage == "deleted":
+            logger.warning("MLflow run %s was deleted; starting a new run", run_id)
+            return None
+        if run.info.status == "RUNNING":
+            logger.warning(
+                "MLflow run %s was left RUNNING by a killed driver; marked KILLED, now continued",
+                run_id,
+            )
+            self.client.set_terminated(run_id, status="KILLED")
+        resumes = int(run.data.tags.get("rayfl.resumes", "0")) + 1
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "rayfl.resumes", str(resumes))
+        return self.client.get_run(run_id)
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -380,3 +426,23 @@ class MlflowTracker(TrackerBase):
             self.client.set_terminated(self._run, status=status)
         except Exception as exc:
             self._failed("close", exc)
+
+
+def mark_killed(run_id: str, tracking_uri: str | None = None) -> bool:
+    """Set MLflow run ``run_id`` to KILLED if it is still RUNNING; True when it was.
+
+    Used for run directories whose driver was killed (``rayfl ls-runs``); an unreachable store or
+    an unknown run is logged and ignored.
+    """
+    from mlflow import MlflowClient
+
+    uri = tracking_uri or default_tracking_uri()
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        if client.get_run(run_id).info.status != "RUNNING":
+            return False
+        client.set_terminated(run_id, status="KILLED")
+    except Exception as exc:
+        logger.warning("could not mark MLflow run %s KILLED at %s: %s", run_id, uri, exc)
+        return False
+    return True

@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms.base import RoundContext
 from rayfl.algorithms.fedmd import FedMDParams, consensus, digest_loss
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 
 def test_consensus_is_the_plain_average():
@@ -65,7 +68,7 @@ def test_digest_moves_the_public_scores_to_the_consensus():
     )
     target = np.tile(np.array([[3.0, -1.0, 0.5]], dtype=np.float32), (20, 1))
     before = float(((client._public_scores(trainer) - target) ** 2).mean())
-    client.receive({"consensus": target})
+    client.receive({"consensus": target}, RND)
     metrics = client.fit(trainer)
     after = float(((client.upload()["scores"] - target) ** 2).mean())
     assert client.upload()["scores"].shape == (20, 3)

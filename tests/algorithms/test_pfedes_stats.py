@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, RoundContext, ServerContext, TrainSettings
 from rayfl.algorithms.pfedes import PFedESClient, PFedESParams, PFedESServer
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer, class_kd_loss
 from tests.algorithms import test_contract
@@ -39,7 +39,7 @@ def test_variant_stats_builds_its_own_halves():
     sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, (1, 8, 8), 3, CPU, train, 0, 2)
     server = PFedESServer(sctx, params)
     assert isinstance(server, PFedESStatsServer)
-    down = server.broadcast("tiny_a")
+    down = server.broadcast("tiny_a", RoundContext(1, 2))
     assert down["means"].shape == (3, 3) and not down["counts"].any()
 
 

@@ -79,7 +79,7 @@ def test_a_dead_worker_is_replaced_and_its_clients_rerun(ray_local, synthetic_ra
     try:
         ray.kill(ex.workers[0])
         clients = list(range(6))
-        sizes, payloads = ex.broadcast(sorted(set(archs)))
+        sizes, payloads = ex.broadcast(1, sorted(set(archs)))
         rows, replies = ex.fit(1, clients, payloads, evaluate=True)
         assert sorted(r["client"] for r in rows) == clients
         by_client = {r["client"]: r for r in rows}
