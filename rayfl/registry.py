@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rayfl.errors import ConfigError, suggest
+
+if TYPE_CHECKING:  # typing only: the algorithms import this module to register themselves
+    from rayfl.algorithms.base import Algorithm
 
 T = TypeVar("T")
 
@@ -67,7 +70,7 @@ class Registry(Generic[T]):
         return sorted(self._entries.items())
 
 
-ALGORITHMS: Registry[Any] = Registry("algorithm")
+ALGORITHMS: Registry[Algorithm[Any]] = Registry("algorithm")
 MODELS: Registry[Any] = Registry("model")
 FAMILIES: Registry[Any] = Registry("model family")
 DATASETS: Registry[Any] = Registry("dataset")

@@ -13,31 +13,44 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayfl.config import TrainConfig
 from rayfl.models import build_model
+from rayfl.models.base import SplitModel
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
+P = TypeVar("P")  # an algorithm's frozen hyperparameter dataclass
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """The engine's minibatch-loop settings, as a client half sees them."""
+class RoundContext:
+    """Where the federation is in its schedule, handed to every round hook of both halves.
 
-    local_epochs: int = 1
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"
-    grad_clip: float | None = None
-    eval_batch_size: int = 512
+    `index` runs from 1 to `total` (`engine.rounds`), so a schedule is a plain function of it,
+    e.g. a proximal weight decaying with the round: `mu * (1 - (rnd.index - 1) / rnd.total)`.
+    """
+
+    index: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        """How far the run is after this round, in (0, 1]: `index / total`."""
+        return self.index / self.total
+
+
+# One training-settings type for the whole package: the `train:` section of a run config. It
+# lives in `rayfl.config` (plain dataclasses, no torch) so that loading and validating a config
+# stays cheap; the algorithms may import it since `rayfl.config` imports neither Ray, MLflow nor
+# the engine. `TrainSettings` is the name it had here, kept for code written against it.
+TrainSettings = TrainConfig
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class ClientContext:
     in_shape: tuple[int, ...]
     num_classes: int
     device: torch.device
-    train: TrainSettings
+    train: TrainConfig
     family_archs: tuple[str, ...] = ()
 
 
@@ -61,7 +74,7 @@ class ServerContext:
     in_shape: tuple[int, ...]
     num_classes: int
     device: torch.device
-    train: TrainSettings
+    train: TrainConfig
     seed: int
     num_clients: int
 
@@ -118,7 +131,7 @@ class ServerData(Protocol):
     def num_samples(self, split: str = "public") -> int: ...
 
 
-class Client:
+class Client(Generic[P]):
     """Client half. Subclasses build their modules in `__init__` and register the persistent ones.
 
     One instance per architecture is cached on a worker and reused for every virtual client of
@@ -126,14 +139,14 @@ class Client:
     `upload`, and stores `state_dict()` again. Whatever is not in `persistent` is transient.
     """
 
-    def __init__(self, ctx: ClientContext, params: Any) -> None:
+    def __init__(self, ctx: ClientContext, params: P) -> None:
         self.ctx = ctx
-        self.params = params
+        self.params: P = params
         self.persistent: dict[str, nn.Module] = {}
 
     # -- exchange -------------------------------------------------------------------------------
-    def receive(self, payload: Payload) -> None:
-        """Take the server's broadcast for this round (default: nothing is received)."""
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        """Take the server's broadcast for round `rnd` (default: nothing is received)."""
 
     def upload(self) -> Payload:
         """What travels to the server after local training (default: nothing)."""
@@ -180,35 +193,45 @@ class Client:
         return [m for m in vars(self).values() if isinstance(m, nn.Module)]
 
 
-class ModelClient(Client):
+class ModelClient(Client[P]):
     """A client whose personal model is one `SplitModel` of its architecture (`self.model`),
     trained with cross-entropy unless a subclass says otherwise."""
 
-    def __init__(self, ctx: ClientContext, params: Any) -> None:
+    def __init__(self, ctx: ClientContext, params: P) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.model = self.make_model()
         self.persistent = {"model": self.model}
+
+    def make_model(self) -> SplitModel:
+        """The personal model (default: the registered architecture `ctx.arch`)."""
+        return build_model(self.ctx.arch, self.ctx.in_shape, self.ctx.num_classes)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(x), y)
 
 
-class Server:
+class Server(Generic[P]):
     """Server half: what goes down, how replies are combined, and any server-side training."""
 
-    def __init__(self, ctx: ServerContext, params: Any) -> None:
-        self.ctx = ctx
-        self.params = params
+    # How `aggregate` depends on the uploads when it is a function of their SUM, which is all
+    # that secure aggregation and DP-FedAvg let through (`rayfl.privacy`): "weighted_mean"
+    # (sample-weighted average of array payloads) or "class_means" (per-class tables averaged
+    # by count). None: the server needs each upload on its own, and privacy refuses it.
+    sum_form: ClassVar[str | None] = None
 
-    def broadcast(self, arch: str) -> Payload:
-        """The payload for clients of architecture `arch` this round (default: nothing)."""
+    def __init__(self, ctx: ServerContext, params: P) -> None:
+        self.ctx = ctx
+        self.params: P = params
+
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
+        """The payload for clients of architecture `arch` in round `rnd` (default: nothing)."""
         return {}
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         """Combine the round's valid replies, sorted by client id (default: nothing to combine)."""
         return {}
 
-    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+    def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         """Server-side training after aggregation (e.g. distillation). Default: none."""
         return {}
 
@@ -228,22 +251,23 @@ class Server:
             load_numpy(module, state[name])
 
 
-class AveragingServer(Server):
+class AveragingServer(Server[P]):
     """Broadcasts one shared module and replaces it by the sample-weighted average of the clients'
     uploads of it: FedAvg's model, FML's meme, LG-FedAvg's head. `name` keys its state and, when
     `scored`, its accuracy (`<name>/acc`)."""
 
     name = "global"
     scored = True
+    sum_form = "weighted_mean"
 
-    def __init__(self, ctx: ServerContext, params: Any, shared: nn.Module) -> None:
+    def __init__(self, ctx: ServerContext, params: P, shared: nn.Module) -> None:
         super().__init__(ctx, params)
         self.shared = shared.to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.shared.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         from rayfl.algorithms.functional import weighted_average
 
         avg = weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
@@ -258,13 +282,17 @@ class AveragingServer(Server):
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    """A registered algorithm: its halves, hyperparameters and what it needs of the federation."""
+class Algorithm(Generic[P]):
+    """A registered algorithm: its halves, hyperparameters and what it needs of the federation.
+
+    Generic over its hyperparameter type `P`: both halves receive a `P` as `self.params`, so a
+    type checker sees `self.params.mu` and catches a misspelt field.
+    """
 
     name: str
-    params: type
-    client: type[Client]
-    server: type[Server]
+    params: type[P]
+    client: type[Client[P]]
+    server: type[Server[P]]
     needs_homogeneous: bool = False  # one architecture for every client (fedavg, fedprox)
     needs_common_feature_dim: bool = (
         False  # shares heads/prototypes (lg_fedavg, fedproto, fedgh, fd)
@@ -273,7 +301,7 @@ class Algorithm:
     summary: str = ""
     # Extra check of the clients' architectures against the params (raises ConfigError); cheap,
     # it builds no model, so `rayfl validate` can run it before any data is loaded.
-    check_archs: Callable[[Sequence[str], Any], None] | None = None
+    check_archs: Callable[[Sequence[str], P], None] | None = None
 
 
 @dataclass(frozen=True)

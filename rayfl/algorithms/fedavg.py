@@ -13,7 +13,9 @@ from rayfl.algorithms.base import (
     AveragingServer,
     ModelClient,
     NoParams,
+    P,
     Payload,
+    RoundContext,
     ServerContext,
     load_numpy,
     to_numpy,
@@ -22,16 +24,16 @@ from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
-class FedAvgClient(ModelClient):
-    def receive(self, payload: Payload) -> None:
+class FedAvgClient(ModelClient[P]):
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.model, payload)
 
     def upload(self) -> Payload:
         return to_numpy(self.model.state_dict())
 
 
-class FedAvgServer(AveragingServer):
-    def __init__(self, ctx: ServerContext, params: object) -> None:
+class FedAvgServer(AveragingServer[P]):
+    def __init__(self, ctx: ServerContext, params: P) -> None:
         super().__init__(
             ctx, params, build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
         )

@@ -31,10 +31,9 @@ from torch import nn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    ClientContext,
-    ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     ServerData,
@@ -58,29 +57,17 @@ class FedGHParams:
         require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
 
 
-class FedGHClient(ModelClient):
-    def __init__(self, ctx: ClientContext, params: FedGHParams) -> None:
-        super().__init__(ctx, params)
-        self.stats: Payload = {}
-
-    def receive(self, payload: Payload) -> None:
+class FedGHClient(protos.ClassStatsClient[FedGHParams]):
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.model.head, payload)
 
-    def fit(self, trainer: Trainer) -> dict[str, float]:
+    def train(self, trainer: Trainer) -> dict[str, float]:
         # A frozen header takes no gradient at all (so none accumulates on the cached instance).
         self.model.head.requires_grad_(not self.params.freeze_header)
         try:
-            metrics = trainer.run(self.training_step, [self.model])
+            return trainer.run(self.training_step, [self.model])
         finally:
             self.model.head.requires_grad_(True)
-        self.model.eval()
-        self.stats = protos.class_means(
-            self.model.features, trainer.batches("train"), self.ctx.num_classes
-        )
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
 
 
 def train_header(
@@ -109,22 +96,22 @@ def train_header(
     return last
 
 
-class FedGHServer(Server):
+class FedGHServer(Server[FedGHParams]):
     def __init__(self, ctx: ServerContext, params: FedGHParams) -> None:
         super().__init__(ctx, params)
         model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
         self.header = copy.deepcopy(model.head).to(ctx.device)
         self.pairs: tuple[np.ndarray, np.ndarray] | None = None
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.header.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         # Training waits for `update`, where the engine has seeded the server's randomness.
         self.pairs = protos.prototype_pairs([r.payload for r in replies])
         return {"fedgh/prototypes": float(len(self.pairs[1]))}
 
-    def update(self, data: ServerData, round_idx: int) -> dict[str, float]:
+    def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         if self.pairs is None or len(self.pairs[1]) == 0:
             return {}
         features = torch.as_tensor(self.pairs[0], device=self.ctx.device)

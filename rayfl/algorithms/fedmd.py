@@ -35,6 +35,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
@@ -74,13 +75,13 @@ def digest_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.
     return F.l1_loss(logits, target) if kind == "l1" else F.mse_loss(logits, target)
 
 
-class FedMDClient(ModelClient):
+class FedMDClient(ModelClient[FedMDParams]):
     def __init__(self, ctx: ClientContext, params: FedMDParams) -> None:
         super().__init__(ctx, params)
         self.consensus: torch.Tensor | None = None
         self.scores: np.ndarray | None = None
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         has = "consensus" in payload
         self.consensus = torch.from_numpy(np.array(payload["consensus"])) if has else None
 
@@ -119,15 +120,15 @@ class FedMDClient(ModelClient):
         return {} if self.scores is None else {"scores": self.scores}
 
 
-class FedMDServer(Server):
+class FedMDServer(Server[FedMDParams]):
     def __init__(self, ctx: ServerContext, params: FedMDParams) -> None:
         super().__init__(ctx, params)
         self.consensus: np.ndarray | None = None
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return {} if self.consensus is None else {"consensus": self.consensus}
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         scores = [r.payload["scores"] for r in replies if "scores" in r.payload]
         if scores:
             self.consensus = consensus(scores)

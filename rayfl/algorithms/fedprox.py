@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfl.algorithms.base import Algorithm, ClientContext, Payload
+from rayfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    Payload,
+    RoundContext,
+)
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
 from rayfl.errors import require
 from rayfl.registry import ALGORITHMS
@@ -39,13 +44,13 @@ def proximal_term(
     return 0.5 * mu * torch.as_tensor(total)
 
 
-class FedProxClient(FedAvgClient):
+class FedProxClient(FedAvgClient[FedProxParams]):
     def __init__(self, ctx: ClientContext, params: FedProxParams) -> None:
         super().__init__(ctx, params)
         self.anchors: list[torch.Tensor] = []
 
-    def receive(self, payload: Payload) -> None:
-        super().receive(payload)
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        super().receive(payload, rnd)
         # The global weights of this round, frozen: the proximal term pulls towards them.
         self.anchors = [p.detach().clone() for p in self.model.parameters()]
 

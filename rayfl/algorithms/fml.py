@@ -29,6 +29,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     ModelClient,
     Payload,
+    RoundContext,
     ServerContext,
     Trainer,
     load_numpy,
@@ -76,12 +77,12 @@ def mutual_losses(
     return private, meme
 
 
-class FMLClient(ModelClient):
+class FMLClient(ModelClient[FMLParams]):
     def __init__(self, ctx: ClientContext, params: FMLParams) -> None:
         super().__init__(ctx, params)
         self.meme = build_model(params.meme, ctx.in_shape, ctx.num_classes)
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.meme, payload)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
@@ -95,7 +96,7 @@ class FMLClient(ModelClient):
         return to_numpy(self.meme.state_dict())
 
 
-class FMLServer(AveragingServer):
+class FMLServer(AveragingServer[FMLParams]):
     name = "meme"
 
     def __init__(self, ctx: ServerContext, params: FMLParams) -> None:

@@ -20,6 +20,7 @@ from rayfl.algorithms.base import (
     ModelClient,
     NoParams,
     Payload,
+    RoundContext,
     ServerContext,
     load_numpy,
     to_numpy,
@@ -28,8 +29,8 @@ from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
 
 
-class LGFedAvgClient(ModelClient):
-    def receive(self, payload: Payload) -> None:
+class LGFedAvgClient(ModelClient[NoParams]):
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         # The global head replaces the local one; the private extractor is left as it was.
         load_numpy(self.model.head, payload)
 
@@ -37,7 +38,7 @@ class LGFedAvgClient(ModelClient):
         return to_numpy(self.model.head.state_dict())
 
 
-class LGFedAvgServer(AveragingServer):
+class LGFedAvgServer(AveragingServer[NoParams]):
     name = "head"
     scored = False  # a head alone classifies no images
 

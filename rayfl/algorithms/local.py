@@ -13,7 +13,7 @@ from rayfl.algorithms.base import Algorithm, ModelClient, NoParams, Server
 from rayfl.registry import ALGORITHMS
 
 
-class LocalClient(ModelClient):
+class LocalClient(ModelClient[NoParams]):
     """Its own model, cross-entropy on its own data; nothing received, nothing uploaded."""
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +34,14 @@ from rayfl.algorithms.base import (
     ModelClient,
     Payload,
     Reply,
+    RoundContext,
     Server,
     ServerContext,
     Trainer,
     load_numpy,
     to_numpy,
 )
+from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
 from rayfl.models.zoo import InputProxy, ProxyExtractor
 from rayfl.registry import ALGORITHMS
@@ -47,7 +49,7 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class PFedESParams:
-    variant: Literal["kd", "input"] = "kd"
+    variant: Literal["kd", "input", "stats"] = "kd"  # stats: rayfl.algorithms.pfedes_stats
     T: float = 4.0  # distillation temperature (kd)
     alpha: float = 0.1  # weight of the proxy's KD loss (kd)
     beta: float = (
@@ -98,13 +100,19 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
     return InputProxy(in_shape[0])
 
 
-class PFedESClient(ModelClient):
+class PFedESClient(ModelClient[PFedESParams]):
+    def __new__(cls, ctx: ClientContext, params: PFedESParams) -> Any:
+        # `variant: stats` uploads statistics, not a proxy: its own halves (pfedes_stats.py).
+        if cls is PFedESClient and params.variant == "stats":
+            return PFedESStatsClient(ctx, params)
+        return super().__new__(cls)
+
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
         self.teacher: nn.Module | None = None
 
-    def receive(self, payload: Payload) -> None:
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.proxy, payload)
         if self.params.variant == "kd" and self.params.beta > 0:
             self.teacher = copy.deepcopy(self.proxy).eval().requires_grad_(False)
@@ -157,15 +165,27 @@ class PFedESClient(ModelClient):
         return {"pfedes/kl_local_proxy": float(fn.logit_kl(local_logits, proxy_logits))}
 
 
-class PFedESServer(Server):
+class PFedESServer(Server[PFedESParams]):
+    sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
+
+    @staticmethod
+    def variant_class(params: PFedESParams) -> type[Server]:
+        """The server half of `params.variant` (what `rayfl.privacy` asks for its sum form)."""
+        return PFedESStatsServer if params.variant == "stats" else PFedESServer
+
+    def __new__(cls, ctx: ServerContext, params: PFedESParams) -> Any:
+        if cls is PFedESServer and params.variant == "stats":
+            return PFedESStatsServer(ctx, params)
+        return super().__new__(cls)
+
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
-    def broadcast(self, arch: str) -> Payload:
+    def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.proxy.state_dict())
 
-    def aggregate(self, replies: Sequence[Reply], round_idx: int) -> dict[str, float]:
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         p = self.params
         current = to_numpy(self.proxy.state_dict())
         updates = [fn.subtract(r.payload, current) for r in replies]
@@ -173,7 +193,7 @@ class PFedESServer(Server):
             updates = [fn.clip_update(u, p.clip_update) for u in updates]
         weights = fn.normalized_weights([r.num_samples for r in replies], cap=p.weight_cap)
         aggregated = fn.add(current, fn.weighted_average(updates, weights))
-        if p.ema is not None and round_idx % p.ema_every == 0:
+        if p.ema is not None and rnd.index % p.ema_every == 0:
             aggregated = fn.ema(current, aggregated, p.ema)
         load_numpy(self.proxy, aggregated)
         return {}
@@ -193,6 +213,6 @@ ALGORITHMS.add(
         PFedESParams,
         PFedESClient,
         PFedESServer,
-        summary="proxy feature extractor sharing (variants kd | input)",
+        summary="proxy feature extractor sharing (variants kd | input | stats)",
     ),
 )

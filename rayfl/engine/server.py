@@ -82,12 +82,17 @@ class ServerRunner:
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
+        self._sent: dict[str, Payload] = {}
         self.data = EngineServerData(
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
 
-    def broadcast(self, archs: Sequence[str]) -> tuple[dict[str, int], list[Payload]]:
-        payloads = [self.server.broadcast(a) for a in archs]
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], list[Payload]]:
+        rnd = self.spec.round_context(round_idx)
+        payloads = [self.server.broadcast(a, rnd) for a in archs]
+        self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
     def step(
@@ -111,19 +116,24 @@ class ServerRunner:
                     round_idx,
                     r.client_id,
                 )
-        if len(valid) < self.spec.min_replies:
+        min_replies = self.spec.engine.min_replies
+        if len(valid) < min_replies:
             raise RoundFailed(
-                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "
+                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={min_replies}; "
                 "lower train.lr or engine.min_replies"
             )
         metrics: dict[str, float] = {
             "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
             "server/rejected": float(len(replies) - len(valid)),
         }
-        metrics.update(self.server.aggregate(valid, round_idx))
+        if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
+            valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
+            metrics.update(privacy_metrics)
+        rnd = self.spec.round_context(round_idx)
+        metrics.update(self.server.aggregate(valid, rnd))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))
         self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
-        metrics.update(self.server.update(self.data, round_idx))
+        metrics.update(self.server.update(self.data, rnd))
         if evaluate:
             for name, model in self.server.eval_models().items():
                 correct, total = accuracy(model, self.data.batches("test"))
@@ -143,8 +153,8 @@ class ServerActor:
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
-    def broadcast(self, archs: list[str]) -> tuple[Any, ...]:
-        sizes, payloads = self.runner.broadcast(archs)
+    def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:
+        sizes, payloads = self.runner.broadcast(round_idx, archs)
         return (sizes, *payloads)
 
     def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms.base import RoundContext
 from rayfl.config import build_config
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import load_state, state_bytes
@@ -28,6 +29,8 @@ from rayfl.engine.loop import Simulation
 from rayfl.engine.training import logits_of
 from rayfl.errors import ConfigError
 from rayfl.registry import ALGORITHMS
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 
 def import_every_algorithm_module() -> None:
@@ -107,7 +110,7 @@ class Capture(Callback):
         }
         self.server_state = through_checkpoint(ex.server_state())
         archs = sorted(set(sim.archs))
-        _, payloads = ex.broadcast(archs)
+        _, payloads = ex.broadcast(1, archs)
         self.payloads = {a: payloads[a] for a in archs}
 
 
@@ -165,7 +168,7 @@ def test_contract(name, tmp_path):
         for c in (a, b):
             c.load_state_dict(state)
             assert_same(state, c.state_dict(), f"{name} client {cid} state")
-            c.receive(capture.payloads[arch])
+            c.receive(capture.payloads[arch], RND)
         torch.testing.assert_close(outputs(a, x), outputs(b, x), rtol=0, atol=0)
 
     # -- server state: a fresh server loaded with it broadcasts and scores the same
@@ -174,7 +177,7 @@ def test_contract(name, tmp_path):
     server.load_state_dict(capture.server_state)
     assert_same(capture.server_state, server.state_dict(), f"{name} server state")
     for arch, payload in capture.payloads.items():
-        assert_same(payload, server.broadcast(arch), f"{name} broadcast to {arch}")
+        assert_same(payload, server.broadcast(arch, RND), f"{name} broadcast to {arch}")
     torch.manual_seed(404)
     twin = sim.algo.server(sim.spec.server_context(CPU), sim.spec.params)
     twin.load_state_dict(capture.server_state)

@@ -5,20 +5,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fd import FDClient, FDParams, FDServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.registry import ALGORITHMS
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 SHAPE = (1, 8, 8)
 CPU = torch.device("cpu")
 
 
 def test_server_averages_class_logits_by_count_golden():
-    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(), 0, 2)
     server = FDServer(sctx, FDParams())
-    assert not server.broadcast("tiny_a")["counts"].any()  # nothing known before round one
+    assert not server.broadcast("tiny_a", RND)["counts"].any()  # nothing known before round one
     a = {
         "means": np.array([[1.0, 0.0], [0.0, 0.0]], np.float32),
         "counts": np.array([1.0, 0.0], np.float32),
@@ -27,8 +29,8 @@ def test_server_averages_class_logits_by_count_golden():
         "means": np.array([[3.0, 2.0], [0.0, 6.0]], np.float32),
         "counts": np.array([3.0, 2.0], np.float32),
     }
-    metrics = server.aggregate([Reply(0, "tiny_a", 5, a), Reply(1, "tiny_a", 5, b)], 1)
-    down = server.broadcast("tiny_a")
+    metrics = server.aggregate([Reply(0, "tiny_a", 5, a), Reply(1, "tiny_a", 5, b)], RND)
+    down = server.broadcast("tiny_a", RND)
     np.testing.assert_allclose(down["means"], [[2.5, 1.5], [0.0, 6.0]])
     np.testing.assert_array_equal(down["counts"], [4.0, 2.0])
     assert metrics["fd/classes_known"] == 2.0
@@ -36,9 +38,11 @@ def test_server_averages_class_logits_by_count_golden():
 
 def test_client_loss_is_ce_plus_gamma_times_distance_to_class_logits():
     torch.manual_seed(0)
-    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FDParams(gamma=0.5))
+    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FDParams(gamma=0.5))
     table = np.array([[1.0, -1.0], [0.0, 0.0]], np.float32)
-    client.receive({"means": table, "counts": np.array([3.0, 0.0], np.float32)})  # class 1 unknown
+    client.receive(
+        {"means": table, "counts": np.array([3.0, 0.0], np.float32)}, RND
+    )  # class 1 unknown
     x, y = torch.randn(2, *SHAPE), torch.tensor([0, 1])
     logits = client.model(x)
     # only the class-0 sample has a target: sum of its squared errors over 2 samples x 2 logits

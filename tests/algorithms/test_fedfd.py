@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import rayfl.algorithms.fedfd  # noqa: F401  (registration)
-from rayfl.algorithms.base import Reply, ServerContext, TrainSettings, load_numpy
+from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainConfig, load_numpy
+from rayfl.algorithms.feddf import FedDFParams
 from rayfl.algorithms.fedfd import (
-    FedDFParams,
     FedFDParams,
     FedFDServer,
     LinearProjection,
@@ -26,6 +26,8 @@ from rayfl.algorithms.heterofl import build_width_model
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 IN_SHAPE = (1, 8, 8)
 
@@ -52,7 +54,7 @@ def server_ctx(archs: tuple[str, ...]) -> ServerContext:
         in_shape=IN_SHAPE,
         num_classes=10,
         device=torch.device("cpu"),
-        train=TrainSettings(batch_size=8),
+        train=TrainConfig(batch_size=8),
         seed=0,
         num_clients=len(archs),
     )
@@ -215,10 +217,10 @@ def test_update_distils_into_the_global_model_and_projections(projection):
     torch.manual_seed(0)
     server = FedFDServer(server_ctx(archs), params)
     replies = [Reply(i, a, 5, client_payload(a, 10 + i)) for i, a in enumerate(archs)]
-    server.aggregate(replies, 1)
+    server.aggregate(replies, RND)
     g_before = {k: v.detach().clone() for k, v in server.model.state_dict().items()}
     p_before = {k: v.detach().clone() for k, v in server.projections.state_dict().items()}
-    metrics = server.update(FakeData(torch.randn(20, *IN_SHAPE)), 1)
+    metrics = server.update(FakeData(torch.randn(20, *IN_SHAPE)), RND)
     assert set(metrics) == {
         "fedfd/distill_loss",
         "fedfd/feature_loss",
@@ -237,7 +239,7 @@ def test_update_distils_into_the_global_model_and_projections(projection):
     assert "encoder.conv1.weight" in moved and "head.weight" in moved
     assert any(not torch.equal(v, p_before[k]) for k, v in server.projections.state_dict().items())
     # the replies are consumed: a second update without aggregation does nothing
-    assert server.update(FakeData(torch.randn(20, *IN_SHAPE)), 2) == {}
+    assert server.update(FakeData(torch.randn(20, *IN_SHAPE)), RoundContext(2, 2)) == {}
 
 
 # ------------------------------------------------------------------------------------ 2-round runs

@@ -6,17 +6,24 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings, payload_nbytes
+from rayfl.algorithms.base import (
+    ClientContext,
+    Reply,
+    RoundContext,
+    ServerContext,
+    TrainConfig,
+    payload_nbytes,
+)
 from rayfl.algorithms.fedkd import (
     FedKDClient,
     FedKDParams,
     FedKDServer,
     adaptive_losses,
-    energy_rank,
-    svd_compress,
-    svd_decompress,
 )
+from rayfl.algorithms.functional import energy_rank, svd_compress, svd_decompress
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 SHAPE = (1, 8, 8)
 CPU = torch.device("cpu")
@@ -71,15 +78,15 @@ def test_svd_round_trip_of_a_conv_shaped_low_rank_update():
 
 def test_server_adds_the_averaged_updates():
     params = FedKDParams(mentee="tiny_a", svd_energy=0.99)
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainConfig(), 0, 2)
     server = FedKDServer(sctx, params)
-    start = server.broadcast("tiny_b")
+    start = server.broadcast("tiny_b", RND)
     ones = {k: np.ones_like(v) for k, v in start.items()}
     threes = {k: 3 * np.ones_like(v) for k, v in start.items()}
     server.aggregate(
-        [Reply(0, "tiny_b", 1, svd_compress(ones, 0.99)), Reply(1, "tiny_b", 1, threes)], 1
+        [Reply(0, "tiny_b", 1, svd_compress(ones, 0.99)), Reply(1, "tiny_b", 1, threes)], RND
     )
-    after = server.broadcast("tiny_b")
+    after = server.broadcast("tiny_b", RND)
     for k in start:
         np.testing.assert_allclose(after[k], start[k] + 2.0, rtol=1e-5, atol=1e-5)
 
@@ -87,9 +94,9 @@ def test_server_adds_the_averaged_updates():
 def test_client_uploads_its_mentee_update():
     torch.manual_seed(0)
     params = FedKDParams(mentee="tiny_a")
-    client = FedKDClient(ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings()), params)
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 1)
-    client.receive(FedKDServer(sctx, params).broadcast("tiny_b"))
+    client = FedKDClient(ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig()), params)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 1}, SHAPE, 3, CPU, TrainConfig(), 0, 1)
+    client.receive(FedKDServer(sctx, params).broadcast("tiny_b", RND), RND)
     assert all(not v.any() for v in client.upload().values())  # nothing trained yet: zero update
     with torch.no_grad():
         client.mentee.head.bias += 1.0

@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms.base import RoundContext
 from rayfl.algorithms.fedmd import FedMDParams, consensus, digest_loss
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 
 def test_consensus_is_the_plain_average():
@@ -41,14 +44,14 @@ def test_rounds_communicate_then_digest(synthetic_raw, tmp_path):
 
 
 def test_digest_moves_the_public_scores_to_the_consensus():
-    from rayfl.algorithms.base import ClientContext, TrainSettings
+    from rayfl.algorithms.base import ClientContext, TrainConfig
     from rayfl.algorithms.fedmd import FedMDClient
     from rayfl.data.datasets import load_dataset
     from rayfl.engine.training import ArrayBatches, LocalTrainer
 
     torch.manual_seed(0)
     ds = load_dataset("synthetic", num_samples=200, num_test=20, shape=(1, 8, 8), num_classes=3)
-    settings = TrainSettings(local_epochs=0, batch_size=10, lr=0.05)
+    settings = TrainConfig(local_epochs=0, batch_size=10, lr=0.05)
     client = FedMDClient(
         ClientContext("tiny_a", (1, 8, 8), 3, torch.device("cpu"), settings),
         FedMDParams(public_samples=20, digest_epochs=30, digest_loss="mse"),
@@ -65,7 +68,7 @@ def test_digest_moves_the_public_scores_to_the_consensus():
     )
     target = np.tile(np.array([[3.0, -1.0, 0.5]], dtype=np.float32), (20, 1))
     before = float(((client._public_scores(trainer) - target) ** 2).mean())
-    client.receive({"consensus": target})
+    client.receive({"consensus": target}, RND)
     metrics = client.fit(trainer)
     after = float(((client.upload()["scores"] - target) ** 2).mean())
     assert client.upload()["scores"].shape == (20, 3)

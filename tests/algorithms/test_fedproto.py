@@ -4,12 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams, FedProtoServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
 from rayfl.registry import ALGORITHMS
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 SHAPE = (1, 8, 8)
 CPU = torch.device("cpu")
@@ -17,7 +19,7 @@ CPU = torch.device("cpu")
 
 def test_loss_golden_with_hand_set_features():
     client = FedProtoClient(
-        ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FedProtoParams(lam=2.0)
+        ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FedProtoParams(lam=2.0)
     )
     with torch.no_grad():  # features = relu(x_flat[:16]), head = zero map
         client.model.encoder[1].weight.copy_(torch.eye(16, 64))
@@ -26,7 +28,7 @@ def test_loss_golden_with_hand_set_features():
         client.model.head.bias.zero_()
     protos = np.zeros((2, 16), np.float32)
     protos[0, 0] = 1.0
-    client.receive({"means": protos, "counts": np.array([1.0, 1.0], np.float32)})
+    client.receive({"means": protos, "counts": np.array([1.0, 1.0], np.float32)}, RND)
     x = torch.zeros(2, *SHAPE)
     x[0, 0, 0, 0] = 3.0  # sample 0 (class 0): feature [3, 0, ...] vs prototype [1, 0, ...]
     y = torch.tensor([0, 1])  # sample 1 (class 1): all-zero feature, all-zero prototype
@@ -36,13 +38,13 @@ def test_loss_golden_with_hand_set_features():
 
 
 def test_server_prototypes_are_count_weighted():
-    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(), 0, 2)
     server = FedProtoServer(sctx, FedProtoParams())
-    assert server.broadcast("tiny_a")["means"].shape == (2, 16)
+    assert server.broadcast("tiny_a", RND)["means"].shape == (2, 16)
     a = {"means": np.full((2, 16), 1.0, np.float32), "counts": np.array([1.0, 1.0], np.float32)}
     b = {"means": np.full((2, 16), 4.0, np.float32), "counts": np.array([2.0, 0.0], np.float32)}
-    server.aggregate([Reply(0, "tiny_a", 2, a), Reply(1, "tiny_a", 2, b)], 1)
-    down = server.broadcast("tiny_a")
+    server.aggregate([Reply(0, "tiny_a", 2, a), Reply(1, "tiny_a", 2, b)], RND)
+    down = server.broadcast("tiny_a", RND)
     np.testing.assert_allclose(down["means"][0], 3.0)  # (1 * 1 + 2 * 4) / 3
     np.testing.assert_allclose(down["means"][1], 1.0)
 

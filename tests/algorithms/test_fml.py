@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 SHAPE = (1, 8, 8)
 CPU = torch.device("cpu")
@@ -39,21 +41,21 @@ def test_each_loss_trains_only_its_own_model():
 
 def test_client_shares_the_meme_and_server_averages_it():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
+    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig())
     params = FMLParams(meme="tiny_a")
     client = FMLClient(ctx, params)
     assert set(client.persistent) == {"model"}
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainConfig(), 0, 2)
     server = FMLServer(sctx, params)
-    down = server.broadcast("tiny_b")
-    client.receive(down)
+    down = server.broadcast("tiny_b", RND)
+    client.receive(down, RND)
     up = client.upload()
     assert set(up) == set(down)
     doubled = {k: 2 * v for k, v in up.items()}
-    server.aggregate([Reply(0, "tiny_b", 1, up), Reply(1, "tiny_b", 3, doubled)], 1)
+    server.aggregate([Reply(0, "tiny_b", 1, up), Reply(1, "tiny_b", 3, doubled)], RND)
     # (1 * w + 3 * 2w) / 4 = 1.75 w
     np.testing.assert_allclose(
-        server.broadcast("tiny_b")["head.weight"], 1.75 * up["head.weight"], rtol=1e-6
+        server.broadcast("tiny_b", RND)["head.weight"], 1.75 * up["head.weight"], rtol=1e-6
     )
     assert "meme" in server.eval_models()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rayfl.algorithms.heterofl  # noqa: F401  (registration)
-from rayfl.algorithms.base import Reply, ServerContext, TrainSettings, to_numpy
+from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainConfig, to_numpy
 from rayfl.algorithms.heterofl import (
     HeteroFLParams,
     HeteroFLServer,
@@ -19,6 +19,8 @@ from rayfl.algorithms.heterofl import (
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
+
+RND = RoundContext(1, 2)  # round 1 of 2
 
 ARCHS = ("resnet18_w1", "resnet18_w2", "resnet18_w3")
 IN_SHAPE = (1, 8, 8)
@@ -41,7 +43,7 @@ def server_ctx(archs: tuple[str, ...] = ARCHS) -> ServerContext:
         in_shape=IN_SHAPE,
         num_classes=10,
         device=torch.device("cpu"),
-        train=TrainSettings(),
+        train=TrainConfig(),
         seed=0,
         num_clients=len(archs),
     )
@@ -57,7 +59,7 @@ def make_server(weighting: str = "uniform") -> HeteroFLServer:
 def test_broadcast_is_the_leading_slice_and_loads_into_the_client_model():
     server = make_server()
     g = server.model.state_dict()
-    payload = server.broadcast("resnet18_w1")
+    payload = server.broadcast("resnet18_w1", RND)
     client = build_width_model("resnet18_w1", IN_SHAPE, 10, HeteroFLParams())
     client.load_state_dict({k: torch.from_numpy(v) for k, v in payload.items()}, strict=True)
     c = client.encoder.conv1.out_channels
@@ -72,9 +74,10 @@ def test_aggregating_unchanged_slices_returns_the_global_model_bit_for_bit():
     server = make_server()
     before = to_numpy(server.model.state_dict())
     replies = [
-        Reply(i, arch, 10 * (i + 1), server.broadcast(arch)) for i, arch in enumerate(ARCHS * 2)
+        Reply(i, arch, 10 * (i + 1), server.broadcast(arch, RND))
+        for i, arch in enumerate(ARCHS * 2)
     ]
-    server.aggregate(replies, 1)
+    server.aggregate(replies, RND)
     after = to_numpy(server.model.state_dict())
     assert set(before) == set(after)
     for k in before:
@@ -85,9 +88,9 @@ def test_aggregating_unchanged_slices_returns_the_global_model_bit_for_bit():
 def test_every_entry_is_averaged_over_its_holders(weighting, shared):
     server = make_server(weighting)
     before = server.model.state_dict()
-    ones = {k: np.ones_like(v) for k, v in server.broadcast("resnet18_w1").items()}
-    threes = {k: np.full_like(v, 3.0) for k, v in server.broadcast("resnet18_w2").items()}
-    server.aggregate([Reply(0, "resnet18_w1", 1, ones), Reply(1, "resnet18_w2", 3, threes)], 1)
+    ones = {k: np.ones_like(v) for k, v in server.broadcast("resnet18_w1", RND).items()}
+    threes = {k: np.full_like(v, 3.0) for k, v in server.broadcast("resnet18_w2", RND).items()}
+    server.aggregate([Reply(0, "resnet18_w1", 1, ones), Reply(1, "resnet18_w2", 3, threes)], RND)
     w = server.model.state_dict()["encoder.conv1.weight"]  # 19 output channels at width 0.3
     c1, c2 = ones["encoder.conv1.weight"].shape[0], threes["encoder.conv1.weight"].shape[0]
     assert (c1, c2, w.shape[0]) == (6, 13, 19)

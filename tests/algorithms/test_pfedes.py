@@ -2,21 +2,22 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.pfedes import PFedESClient, PFedESParams, PFedESServer
 from rayfl.errors import ConfigError
 
+RND = RoundContext(1, 2)  # round 1 of 2
 SHAPE = (1, 8, 8)
 
 
 def client(**kw):
-    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainSettings())
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainConfig())
     return PFedESClient(ctx, PFedESParams(**kw))
 
 
 def server(**kw):
     ctx = ServerContext(
-        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, torch.device("cpu"), TrainSettings(), 0, 2
+        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, torch.device("cpu"), TrainConfig(), 0, 2
     )
     return PFedESServer(ctx, PFedESParams(**kw))
 
@@ -51,7 +52,7 @@ def test_beta_adds_a_frozen_teacher():
     torch.manual_seed(0)
     c = client(beta=1.0)
     s = server()
-    c.receive(s.broadcast("tiny_a"))
+    c.receive(s.broadcast("tiny_a", RND), RND)
     assert c.teacher is not None and not any(p.requires_grad for p in c.teacher.parameters())
     x, y = torch.randn(4, *SHAPE), torch.tensor([0, 1, 2, 0])
     without = client(beta=0.0)
@@ -62,11 +63,11 @@ def test_beta_adds_a_frozen_teacher():
 
 def test_server_average_cap_clip_and_ema_golden():
     s = server(weight_cap=None, ema=0.5)
-    g = {k: v.copy() for k, v in s.broadcast("a").items()}
+    g = {k: v.copy() for k, v in s.broadcast("a", RND).items()}
     r1 = {k: v + 1.0 for k, v in g.items()}
     r2 = {k: v + 3.0 for k, v in g.items()}
-    s.aggregate([Reply(0, "tiny_a", 1, r1), Reply(1, "tiny_a", 3, r2)], round_idx=1)
-    new = s.broadcast("a")
+    s.aggregate([Reply(0, "tiny_a", 1, r1), Reply(1, "tiny_a", 3, r2)], RND)
+    new = s.broadcast("a", RND)
     # weighted update (1*1 + 3*3)/4 = 2.5, then EMA 0.5 -> +1.25
     for k in g:
         np.testing.assert_allclose(new[k], g[k] + 1.25, rtol=1e-5, atol=1e-5)
@@ -74,10 +75,10 @@ def test_server_average_cap_clip_and_ema_golden():
 
 def test_server_clip_bounds_each_update():
     s = server(clip_update=1e-3)
-    g = {k: v.copy() for k, v in s.broadcast("a").items()}
+    g = {k: v.copy() for k, v in s.broadcast("a", RND).items()}
     big = {k: v + 100.0 for k, v in g.items()}
-    s.aggregate([Reply(0, "tiny_a", 1, big)], round_idx=1)
-    new = s.broadcast("a")
+    s.aggregate([Reply(0, "tiny_a", 1, big)], RND)
+    new = s.broadcast("a", RND)
     norm = np.sqrt(sum(float(((new[k] - g[k]) ** 2).sum()) for k in g))
     assert norm == pytest.approx(1e-3, rel=1e-3)
 
@@ -93,7 +94,7 @@ def test_input_variant_trains_two_stages():
         ds,
         np.arange(100),
         np.arange(100, 120),
-        TrainSettings(batch_size=20),
+        TrainConfig(batch_size=20),
         torch.device("cpu"),
         torch.Generator().manual_seed(0),
     )

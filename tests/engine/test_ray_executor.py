@@ -40,7 +40,7 @@ def executor(raw, overrides):
     cfg = build_config(raw, overrides)
     fed = prepare_federation(cfg)
     archs = family_from_config(cfg.model.family).assign(cfg.data.num_clients)
-    return RayExecutor(make_spec(cfg, archs, fed), fed, cfg, per_round=cfg.data.num_clients), archs
+    return RayExecutor(make_spec(cfg, archs, fed), fed), archs
 
 
 def test_four_workers_share_one_gpu(ray_local, synthetic_raw):
@@ -79,7 +79,7 @@ def test_a_dead_worker_is_replaced_and_its_clients_rerun(ray_local, synthetic_ra
     try:
         ray.kill(ex.workers[0])
         clients = list(range(6))
-        sizes, payloads = ex.broadcast(sorted(set(archs)))
+        sizes, payloads = ex.broadcast(1, sorted(set(archs)))
         rows, replies = ex.fit(1, clients, payloads, evaluate=True)
         assert sorted(r["client"] for r in rows) == clients
         by_client = {r["client"]: r for r in rows}
