@@ -43,8 +43,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rayfl.config import RunConfig, build_config, parse_override, read_yaml, set_dotted
+from rayfl.config import (
+    RunConfig,
+    build_config,
+    parse_override,
+    read_yaml,
+    resolve_base_file,
+    set_dotted,
+)
 from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +106,7 @@ def _base(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(raw["base"], dict):
             raise ConfigError(f"{path}: base must be a mapping (a run config without algorithm)")
         return copy.deepcopy(raw["base"])
-    target = Path(str(raw["base_file"]))
-    if not target.is_absolute() and not target.is_file():
-        target = path.parent / target
-    return read_yaml(target, "base_file")
+    return read_yaml(resolve_base_file(raw["base_file"], path, "base_file"), "base_file")
 
 
 def _split_cli(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -389,20 +394,6 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _write_table(rows: Sequence[Mapping[str, Any]], stem: Path) -> list[Path]:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    table = pa.table({k: [row.get(k) for row in rows] for k in keys})
-    pq.write_table(table, stem.with_suffix(".parquet"))
-    pacsv.write_csv(table, stem.with_suffix(".csv"))
-    return [stem.with_suffix(".csv"), stem.with_suffix(".parquet")]
-
-
 def mean_curves(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
 ) -> dict[str, list[tuple[int, float]]]:
@@ -551,7 +542,7 @@ def run_suite(
             result = simulate(run.config, run_dir, progress=False, parent_run_id=parent_id)
             rows.append(_final_row(run, result, time.perf_counter() - t0, run_dir))
             histories[run.setting][run.label].append(result.history)
-            _write_table(rows, out_dir / "runs")  # finished runs survive a later failure
+            write_table(rows, out_dir / "runs", csv=True)  # finished runs survive a later failure
             bar.update(1)
     except BaseException as exc:
         parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
@@ -564,7 +555,9 @@ def run_suite(
             ray.shutdown()
 
     results = aggregate(rows)
-    artifacts = _write_table(rows, out_dir / "runs") + _write_table(results, out_dir / "results")
+    artifacts = write_table(rows, out_dir / "runs", csv=True) + write_table(
+        results, out_dir / "results", csv=True
+    )
     for setting, by_label in histories.items():
         name = f"curves_personal_acc{'_' + setting if setting else ''}.png"
         artifacts.append(
