@@ -94,6 +94,9 @@ class EngineConfig:
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
+    # Train a call's clients of one architecture together, vectorized with torch.func (same
+    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
+    grouped: bool = False
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None
@@ -113,6 +116,49 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """What the engine scores besides the algorithm's own metrics."""
+
+    # Also train a plain cross-entropy copy of every client's model (same initial weights, seeds
+    # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
+    # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
+    local_baseline: bool = False
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """Client-level DP (DP-FedAvg, McMahan et al. 2018; see `rayfl.privacy.dp`)."""
+
+    enabled: bool = False
+    clip: float = 1.0  # L2 bound on each client's update (or its statistics payload)
+    noise_multiplier: float = 1.0  # Gaussian noise std on the sum = noise_multiplier * clip
+    delta: float = 1e-5  # target delta of the reported (epsilon, delta)
+    accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's RDP or PLD accountant
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Secure aggregation (Bonawitz et al. 2017), simulated (see `rayfl.privacy.secagg`)."""
+
+    enabled: bool = False
+    frac_bits: int = 24  # fixed-point scale 2^frac_bits in the uint64 ring
+    threshold: float = 0.5  # shares needed to rebuild a secret: floor(threshold * n) + 1
+    dropout: float = 0.0  # simulated chance that a client drops after masking (seeded)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Protections of the shared payloads; algorithms do not know whether they are on."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp.enabled or self.secagg.enabled
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str
     params: Any  # the algorithm's own frozen Params dataclass instance
@@ -128,6 +174,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
 # --------------------------------------------------------------------------- ranges
@@ -184,6 +232,11 @@ RANGES: dict[str, Range] = {
     "engine.round_timeout_s": POSITIVE,
     "engine.min_replies": AT_LEAST_1,
     "engine.startup_timeout_s": POSITIVE,
+    "privacy.dp.clip": POSITIVE,
+    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
+    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
+    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
 }
 
 

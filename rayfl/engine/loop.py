@@ -31,6 +31,7 @@ from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
+from rayfl.privacy import hook_for
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
         engine=e,
         per_round=clients_per_round(cfg),
+        local_baseline=cfg.eval.local_baseline,
+        privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
 
@@ -116,7 +119,10 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         for arch, pairs in sorted(by_arch.items()):
             a, w = np.array(pairs).T
             out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
-        skip = {"client", "arch", "acc", "num_test", "num_train", "train_s", "bytes_up"}
+        if all("baseline_acc" in r for r in scored):
+            out.update(_baseline_summary(scored, out["personal/acc"]))
+        skip = {"client", "arch", "acc", "baseline_acc", "num_test", "num_train"}
+        skip |= {"train_s", "bytes_up"}
         extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
         for key in sorted(extras):
             vals = [(r[key], r["num_test"]) for r in scored if key in r]
@@ -128,6 +134,19 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         v, w = np.array(vals).T
         out[key] = float((v * w).sum() / w.sum())
     out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
+    return out
+
+
+def _baseline_summary(scored: list[ClientMetrics], personal_acc: float) -> dict[str, float]:
+    """The local-only shadows' accuracy, weighted exactly like `personal/acc` (so it equals what
+    `algorithm.name=local` reports), per architecture, and the gain over it in points."""
+    b = np.array([r["baseline_acc"] for r in scored])
+    n = np.array([r["num_test"] for r in scored])
+    local = float((b * n).sum() / n.sum())
+    out = {"baseline/local_acc": local, "baseline/gain_points": 100.0 * (personal_acc - local)}
+    for arch in sorted({r["arch"] for r in scored}):
+        mask = np.array([r["arch"] == arch for r in scored])
+        out[f"baseline/local_acc/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
     return out
 
 

@@ -48,6 +48,10 @@ class RunSpec:
     # them here, so they need the spec alone, never the whole run config.
     engine: EngineConfig = field(default_factory=EngineConfig)
     per_round: int = 1  # clients sampled per round
+    local_baseline: bool = (
+        False  # also train a local-only shadow of each client (eval.local_baseline)
+    )
+    privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
 
     def round_context(self, round_idx: int) -> RoundContext:
         """What both halves learn of the schedule in round `round_idx`."""
