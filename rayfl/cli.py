@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any
 from rayfl.config import RunConfig, load_config
 from rayfl.errors import UserError
 from rayfl.launch import default_run_dir, simulate
+from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")
 
@@ -38,6 +40,9 @@ def final_table(result: Any, wall_s: float) -> str:
             rows.append((key, f"{final[key]:.4f}"))
     for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
         rows.append((key, f"{final[key]:.4f}"))
+    if "baseline/local_acc" in final:
+        rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
+        rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
     for key in (
         "proxy/acc",
         "global/acc",
@@ -96,7 +101,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
             )
-        cfg = load_config(run_dir / "config.yaml", args.overrides)
+        # `rayfl run --resume DIR engine.rounds=8`: argparse puts the first override in `config`
+        overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
+        if any("=" not in o for o in overrides):
+            raise UserError(
+                "--resume takes the run directory's own config.yaml; pass only key=value overrides"
+            )
+        cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
@@ -132,9 +143,22 @@ def cmd_ls_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Positional arguments -> (files, key=value overrides): an argument with `=` that is not an
+    existing file is an override."""
+    files = [a for a in args if "=" not in a or Path(a).exists()]
+    return files, [a for a in args if a not in files]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    for path in args.configs:
-        describe = validate_file(path, args.overrides)
+    files, positional = split_overrides(args.configs)
+    if not files:
+        raise UserError(
+            "rayfl validate needs at least one file (e.g. experiments/pfedes_fmnist.yaml)"
+        )
+    overrides = [*positional, *args.overrides]
+    for path in files:
+        describe = validate_file(path, overrides)
         print(f"{path}: ok ({describe})")
     return 0
 
@@ -169,6 +193,12 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from rayfl.registry import ALGORITHMS, DATASETS, FAMILIES, MODELS, PARTITIONERS
 
+    if args.name:
+        from rayfl.describe import describe
+
+        print(describe(args.name))
+        return 0
+
     print("algorithms:")
     for name, algo in ALGORITHMS.items():
         print(f"  {name:12s} {algo.summary}")
@@ -178,6 +208,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"  {name:14s} {', '.join(fam.architectures)}")
     print("datasets:    " + ", ".join(DATASETS.names()))
     print("partitioners: " + ", ".join(PARTITIONERS.names()))
+    print("`rayfl ls NAME` shows an algorithm's keys (or a section's: engine, train, data, ...)")
     return 0
 
 
@@ -191,7 +222,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rayfl.compare import run_suite
 
-    print(run_suite(args.suite, args.overrides, out=args.out))
+    print(
+        run_suite(args.suite, args.overrides, out=args.out, keep_checkpoints=args.keep_checkpoints)
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rayfl.report import write_report
+
+    print(f"report: {write_report(args.dir, args.out)}")
     return 0
 
 
@@ -202,60 +242,132 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = {
+    "run": """examples:
+  rayfl run experiments/pfedes_fmnist.yaml
+  rayfl run experiments/pfedes_fmnist.yaml seed=1 engine.rounds=5 algorithm.alpha=0.3 --out runs/x
+  rayfl run experiments/pfedes_fmnist.yaml algorithm.name=local eval.local_baseline=false
+  rayfl run --resume runs/x""",
+    "validate": """examples:
+  rayfl validate experiments/pfedes_fmnist.yaml
+  rayfl validate experiments/pfedes_fmnist.yaml engine.rounds=5 algorithm.beta=0
+  rayfl validate experiments/suites/*.yaml experiments/sweeps/*.yaml""",
+    "ls-runs": """examples:
+  rayfl ls-runs                    # every run directory under runs/
+  rayfl ls-runs /data/sweeps/x     # another folder; a killed run still marked RUNNING becomes KILLED
+""",
+    "ls": """examples:
+  rayfl ls            # algorithms, models, families, datasets, partitioners
+  rayfl ls pfedes     # pFedES's keys with defaults and one line of help each
+  rayfl ls engine     # a config section's keys""",
+    "bench": """examples:
+  rayfl bench experiments/benchmarks/throughput.yaml
+  rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2""",
+    "compare": """examples:
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite   # again: resumes
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml parallel=2 --out runs/suite""",
+    "tune": """examples:
+  rayfl tune experiments/sweeps/pfedes_T_alpha.yaml --out runs/sweep
+  rayfl tune experiments/sweeps/pfedes_T_alpha.yaml engine.rounds=2""",
+    "report": """examples:
+  rayfl report runs/x                 # one run directory -> runs/x/report.html
+  rayfl report runs/suite --out suite.html""",
+}
+
+OVERRIDES_HELP = "dotted key=value overrides parsed as YAML, e.g. engine.rounds=5"
+
+
+def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog=EXAMPLES[name],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayfl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rayfl",
+        description=__doc__,
+        epilog="examples:\n"
+        + "\n".join(e.splitlines()[1] for e in EXAMPLES.values())
+        + "\n\n`rayfl COMMAND --help` shows each command's options and more examples.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="run one simulation")
+    p = _sub(sub, "run", "run one simulation")
     p.add_argument("config", nargs="?", help="experiment YAML")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. engine.rounds=5")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--out", help="run directory (default runs/<name>-<algorithm>-s<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser(
-        "validate", help="check experiment, suite or sweep files without running them"
-    )
-    p.add_argument("configs", nargs="+")
+    p = _sub(sub, "validate", "check experiment, suite or sweep files without running them")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], help="key=value override"
+        "configs", nargs="+", metavar="FILE_OR_OVERRIDE", help="files, then " + OVERRIDES_HELP
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="key=value override (same as positional)",
     )
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("ls", help="list algorithms, models, families, datasets, partitioners")
+    p = _sub(sub, "ls", "list algorithms, models, families, datasets, partitioners")
+    p.add_argument("name", nargs="?", help="an algorithm or config section to describe")
     p.set_defaults(fn=cmd_ls)
 
-    p = sub.add_parser(
-        "ls-runs", help="list run directories with status, rounds and metric (marks killed runs)"
+    p = _sub(
+        sub, "ls-runs", "list run directories with status, rounds and metric (marks killed runs)"
     )
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
     p.set_defaults(fn=cmd_ls_runs)
 
-    p = sub.add_parser("bench", help="serial vs Ray executor on one workload, side by side")
+    p = _sub(sub, "bench", "serial vs Ray executor on one workload, side by side")
     p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser(
-        "compare", help="run a comparison suite (algorithms x seeds on one partition)"
-    )
+    p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
     p.add_argument("suite")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--out", help="output directory")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.add_argument("--out", help="output directory (the same one again resumes the suite)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's checkpoint (default: removed once the run finished)",
+    )
     p.set_defaults(fn=cmd_compare)
 
-    p = sub.add_parser("tune", help="a Ray Tune sweep logged to MLflow")
+    p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow")
     p.add_argument("sweep")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--out", help="output directory")
     p.set_defaults(fn=cmd_tune)
+
+    p = _sub(sub, "report", "one self-contained HTML page for a run, a suite or a sweep folder")
+    p.add_argument(
+        "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
+    )
+    p.add_argument("--out", help="the HTML file (default DIR/report.html)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    # MLflow's source tag; Ray workers and Tune trials inherit it
+    os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

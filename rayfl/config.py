@@ -79,7 +79,11 @@ class EngineConfig:
     fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
     clients_per_round: int | None = None  # overrides `fraction` when set
     executor: Literal["serial", "ray"] = "ray"
-    num_workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) allow
+    # Worker actors of the Ray executor, each reserving `worker_resources` (the serial executor
+    # has none and ignores it). None: enough for one wave of a round's clients,
+    # ceil(clients per round / clients_per_call), at most what the cluster holds. A `rayfl tune`
+    # trial reserves its workers up front in its placement group, so there None means one.
+    num_workers: int | None = None
     worker_resources: Resources = field(default_factory=Resources)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
@@ -90,6 +94,9 @@ class EngineConfig:
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
+    # Train a call's clients of one architecture together, vectorized with torch.func (same
+    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
+    grouped: bool = False
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None
@@ -106,6 +113,16 @@ class TrackingConfig:
     experiment: str = "rayfl"
     run_name: str | None = None
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What the engine scores besides the algorithm's own metrics."""
+
+    # Also train a plain cross-entropy copy of every client's model (same initial weights, seeds
+    # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
+    # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
+    local_baseline: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 

@@ -62,6 +62,7 @@ def _simulate_locked(
     from rayfl.engine.loop import Simulation
     from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
     from rayfl.tracking import make_tracker
+    from rayfl.tracking.provenance import run_name_for
 
     sim = Simulation(cfg, run_dir)
     out = RunDirectory(run_dir)
@@ -69,7 +70,7 @@ def _simulate_locked(
     tracker = make_tracker(
         cfg.tracking.backend,
         experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or run_dir.name,
+        run_name=cfg.tracking.run_name or run_name_for(cfg),
         tracking_uri=cfg.tracking.uri,
         parent_run_id=parent_run_id,
         run_id=previous["run_id"] if previous else None,

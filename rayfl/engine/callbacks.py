@@ -60,13 +60,37 @@ class Callback:
 
 
 class ProgressBar(Callback):
-    """One tqdm bar over rounds showing elapsed time and the current personalized accuracy."""
+    """Progress over rounds with elapsed time and the current personalized accuracy: one tqdm bar
+    on a terminal, or one plain line per round when `stream` is not a terminal or reports zero
+    columns (CI logs, some IDE consoles), where a bar would vanish or smear."""
 
-    def __init__(self, desc: str = "") -> None:
+    def __init__(self, desc: str = "", stream: Any = None, plain: bool | None = None) -> None:
         self.desc = desc
+        self.stream = stream
+        self.plain = plain
         self.bar: Any = None
+        self._start = 0.0
+
+    @staticmethod
+    def wants_plain(stream: Any) -> bool:
+        """No terminal, or a terminal that reports zero columns."""
+        import os
+
+        try:
+            if not stream.isatty():
+                return True
+            return os.get_terminal_size(stream.fileno()).columns <= 0
+        except (AttributeError, OSError, ValueError):
+            return True
 
     def on_run_start(self, sim: Simulation) -> None:
+        stream = self.stream or sys.stderr
+        self.stream = stream
+        self._start = time.perf_counter()
+        if self.plain is None:
+            self.plain = self.wants_plain(stream)
+        if self.plain:
+            return
         from tqdm.auto import tqdm
 
         self.bar = tqdm(
@@ -74,20 +98,37 @@ class ProgressBar(Callback):
             initial=sim.start_round - 1,
             desc=self.desc or sim.cfg.algorithm.name,
             unit="round",
-            file=sys.stderr,
+            file=stream,
             dynamic_ncols=True,
         )
 
-    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        post = {"round": round_idx}
+    @staticmethod
+    def _fields(round_idx: int, metrics: dict[str, float]) -> dict[str, str]:
+        post = {"round": str(round_idx)}
         for key, short in (
             ("personal/acc", "acc"),
+            ("baseline/local_acc", "local"),
             ("proxy/acc", "proxy"),
             ("global/acc", "global"),
         ):
-            if key in metrics:
-                post[short] = f"{metrics[key]:.4f}"  # type: ignore[assignment]
-        post["s/round"] = f"{metrics['time/round_s']:.1f}"  # type: ignore[assignment]
+            if key in metrics and metrics[key] == metrics[key]:  # NaN: not evaluated this round
+                post[short] = f"{metrics[key]:.4f}"
+        post["s/round"] = f"{metrics['time/round_s']:.1f}"
+        return post
+
+    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        post = self._fields(round_idx, metrics)
+        if self.bar is None:
+            del post["round"]
+            name = self.desc or sim.cfg.algorithm.name
+            elapsed = time.perf_counter() - self._start
+            text = "  ".join(f"{k} {v}" for k, v in post.items())
+            print(
+                f"{name} round {round_idx}/{sim.cfg.engine.rounds}  {text}  elapsed {elapsed:.0f}s",
+                file=self.stream,
+                flush=True,
+            )
+            return
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
 
@@ -189,6 +230,20 @@ def write_metrics(history: list[dict[str, float]], path: Path) -> None:
     tmp.replace(path)
 
 
+def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
+    """(name, context, inputs, labels) of the data a run uses: every sample some client holds
+    (train and local test splits) and the server's test set."""
+    import numpy as np
+
+    fed = sim.federation
+    used = np.sort(np.concatenate([np.concatenate([c.train, c.test]) for c in fed.clients]))
+    ds, name = fed.dataset, sim.cfg.data.dataset
+    return [
+        (f"{name}-clients-{len(used)}", "train", ds.x_train[used], ds.y_train[used]),
+        (f"{name}-test-{len(ds.y_test)}", "test", ds.x_test, ds.y_test),
+    ]
+
+
 class TrackerCallback(Callback):
     """Sends config, per-round metrics and the run directory's artifacts to a `Tracker` (MLflow)."""
 
@@ -199,11 +254,22 @@ class TrackerCallback(Callback):
     def on_run_start(self, sim: Simulation) -> None:
         self.tracker.log_config(to_dict(sim.cfg))
         self.tracker.set_tags(
-            {"algorithm": sim.cfg.algorithm.name, "dataset": sim.cfg.data.dataset}
+            {
+                "algorithm": sim.cfg.algorithm.name,
+                "dataset": sim.cfg.data.dataset,
+                "rayfl.config_name": sim.cfg.name,
+            }
         )
+        log_dataset = getattr(self.tracker, "log_dataset", None)
+        if log_dataset is not None:
+            for name, context, x, y in dataset_views(sim):
+                log_dataset(name, x, y, context, source=sim.cfg.data.root or sim.cfg.data.dataset)
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "round"}, step=round_idx)
+        # `round` is the step and `clients` the count of replies: bookkeeping, not results
+        self.tracker.log_metrics(
+            {k: v for k, v in metrics.items() if k not in ("round", "clients")}, step=round_idx
+        )
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
         if self.run_dir is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfl.algorithms.base import Algorithm, TrainSettings
+from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
@@ -84,16 +84,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
     return RunSpec(
         algorithm=cfg.algorithm.name,
         params=cfg.algorithm.params,
-        train=TrainSettings(
-            local_epochs=t.local_epochs,
-            batch_size=t.batch_size,
-            lr=t.lr,
-            momentum=t.momentum,
-            weight_decay=t.weight_decay,
-            optimizer=t.optimizer,
-            grad_clip=t.grad_clip,
-            eval_batch_size=t.eval_batch_size,
-        ),
+        train=t,
         seed=cfg.seed,
         archs=tuple(archs),
         in_shape=tuple(federation.dataset.in_shape),
@@ -101,8 +92,9 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         device=e.device,
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
-        min_replies=e.min_replies,
-        rounds=e.rounds,
+        engine=e,
+        per_round=clients_per_round(cfg),
+        local_baseline=cfg.eval.local_baseline,
         privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
@@ -127,7 +119,10 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         for arch, pairs in sorted(by_arch.items()):
             a, w = np.array(pairs).T
             out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
-        skip = {"client", "arch", "acc", "num_test", "num_train", "train_s", "bytes_up"}
+        if all("baseline_acc" in r for r in scored):
+            out.update(_baseline_summary(scored, out["personal/acc"]))
+        skip = {"client", "arch", "acc", "baseline_acc", "num_test", "num_train"}
+        skip |= {"train_s", "bytes_up"}
         extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
         for key in sorted(extras):
             vals = [(r[key], r["num_test"]) for r in scored if key in r]
@@ -139,6 +134,19 @@ def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
         v, w = np.array(vals).T
         out[key] = float((v * w).sum() / w.sum())
     out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
+    return out
+
+
+def _baseline_summary(scored: list[ClientMetrics], personal_acc: float) -> dict[str, float]:
+    """The local-only shadows' accuracy, weighted exactly like `personal/acc` (so it equals what
+    `algorithm.name=local` reports), per architecture, and the gain over it in points."""
+    b = np.array([r["baseline_acc"] for r in scored])
+    n = np.array([r["num_test"] for r in scored])
+    local = float((b * n).sum() / n.sum())
+    out = {"baseline/local_acc": local, "baseline/gain_points": 100.0 * (personal_acc - local)}
+    for arch in sorted({r["arch"] for r in scored}):
+        mask = np.array([r["arch"] == arch for r in scored])
+        out[f"baseline/local_acc/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
     return out
 
 
@@ -174,7 +182,7 @@ class Simulation:
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+            self.executor = make_executor(self.spec, self.federation)
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:

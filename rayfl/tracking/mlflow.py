@@ -20,6 +20,7 @@ import logging
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from rayfl.tracking.base import (
     flatten_config,
     plain,
 )
+from rayfl.tracking.provenance import provenance_tags, tracked_params
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,23 @@ def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
     return str(exp.experiment_id)
 
 
+def dataset_input(
+    name: str, features: Any, targets: Any, context: str, source: str | None = None
+) -> Any:
+    """An `mlflow.entities.DatasetInput` for numpy arrays, with MLflow's content digest and the
+    `mlflow.data.context` tag (train, test, ...)."""
+    from mlflow.data.numpy_dataset import from_numpy
+    from mlflow.entities import DatasetInput, InputTag
+
+    with warnings.catch_warnings():  # "source can be interpreted in multiple ways": a local path
+        warnings.simplefilter("ignore", UserWarning)
+        dataset = from_numpy(features, source=source, targets=targets, name=name)  # type: ignore[arg-type]
+    return DatasetInput(
+        dataset=dataset._to_mlflow_entity(),
+        tags=[InputTag(key="mlflow.data.context", value=context)],
+    )
+
+
 class MlflowTracker(TrackerBase):
     """Tracker writing one MLflow run (params, stepped metrics, artifacts, tags).
 
@@ -180,7 +199,9 @@ class MlflowTracker(TrackerBase):
         self.experiment = experiment
         self.retry_after_s = retry_after_s
         self.max_pending = max_pending
-        run_tags = {str(k): str(v)[:MAX_TAG_VALUE] for k, v in (tags or {}).items()}
+        # user, command line, git commit and rayfl version; the caller's tags win
+        tags = {**provenance_tags(), **(tags or {})}
+        run_tags = {str(k): str(v)[:MAX_TAG_VALUE] for k, v in tags.items()}
         if parent_run_id:
             run_tags["mlflow.parentRunId"] = parent_run_id
         try:
@@ -288,7 +309,7 @@ class MlflowTracker(TrackerBase):
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
-        flat = flatten_config(config)
+        flat = tracked_params(flatten_config(config))
         params: dict[str, str] = {}
         for key, value in flat.items():
             text = "None" if value is None else str(value)
@@ -323,6 +344,23 @@ class MlflowTracker(TrackerBase):
                 self.client.log_artifact(self._run, str(path))
         except Exception as exc:
             self._failed("log_artifact(config.yaml)", exc)
+
+    def log_dataset(
+        self,
+        name: str,
+        features: Any,
+        targets: Any,
+        context: str,
+        source: str | None = None,
+    ) -> None:
+        """Record numpy arrays as an MLflow dataset input of the run (name, digest, schema,
+        source; the data itself is not uploaded). See :func:`dataset_input`."""
+        try:
+            self.client.log_inputs(
+                self._run, datasets=[dataset_input(name, features, targets, context, source)]
+            )
+        except Exception as exc:
+            self._failed(f"log_inputs({name})", exc)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step``; non-numeric values are skipped with a warning."""
