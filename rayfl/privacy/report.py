@@ -93,7 +93,7 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", label=f"DP-FedAvg, alpha={alpha}")
     styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
-    colors = plt.get_cmap("Dark2").colors
+    colors = [plt.get_cmap("Dark2")(k) for k in range(8)]
     for i, (label, r) in enumerate(refs.items()):
         if r["acc"] is None:
             continue
