@@ -95,7 +95,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
             )
-        cfg = load_config(run_dir / "config.yaml", args.overrides)
+        # `rayfl run --resume DIR engine.rounds=8`: argparse puts the first override in `config`
+        overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
+        if any("=" not in o for o in overrides):
+            raise UserError(
+                "--resume takes the run directory's own config.yaml; pass only key=value overrides"
+            )
+        cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")

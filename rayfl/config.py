@@ -79,7 +79,11 @@ class EngineConfig:
     fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
     clients_per_round: int | None = None  # overrides `fraction` when set
     executor: Literal["serial", "ray"] = "ray"
-    num_workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) allow
+    # Worker actors of the Ray executor, each reserving `worker_resources` (the serial executor
+    # has none and ignores it). None: enough for one wave of a round's clients,
+    # ceil(clients per round / clients_per_call), at most what the cluster holds. A `rayfl tune`
+    # trial reserves its workers up front in its placement group, so there None means one.
+    num_workers: int | None = None
     worker_resources: Resources = field(default_factory=Resources)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
@@ -93,6 +97,9 @@ class EngineConfig:
     wait_for_resources_s: float = 600.0
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
+    # Train a call's clients of one architecture together, vectorized with torch.func (same
+    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
+    grouped: bool = False
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None

@@ -36,14 +36,14 @@ def test_plan_workers_waits_for_a_node_that_joins_later(synthetic_raw, caplog) -
         # nothing comes: one line naming the setting, after the timeout
         quick = build_config(synthetic_raw, [*gpu_workers, "engine.wait_for_resources_s=1"])
         with pytest.raises(UserError, match="engine.wait_for_resources_s=1"):
-            plan_workers(quick, per_round=6)
+            plan_workers(quick.engine, per_round=6)
 
         cfg = build_config(synthetic_raw, [*gpu_workers, "engine.wait_for_resources_s=60"])
         result: dict[str, object] = {}
 
         def plan() -> None:
             try:
-                result["workers"] = plan_workers(cfg, per_round=6)
+                result["workers"] = plan_workers(cfg.engine, per_round=6)
             except Exception as exc:  # surfaced by the assertion below
                 result["error"] = exc
 

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import RunConfig
+from rayfl.config import EngineConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.server import ServerActor, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
@@ -75,6 +75,9 @@ def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
 
 
 class SerialExecutor(Executor):
+    # The clock of the round deadline (a test replaces it by a fake one).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
         device = resolve_device(spec.device)
@@ -91,11 +94,34 @@ class SerialExecutor(Executor):
     def fit(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
     ) -> tuple[list[ClientMetrics], list[Any]]:
-        states = [self.states.get(c) for c in client_ids]
-        metrics, replies, new_states = self.runner.fit(
-            round_idx, client_ids, payloads, states, evaluate
-        )
-        self.states.update(zip(client_ids, new_states))
+        timeout = self.spec.engine.round_timeout_s
+        if timeout is None:
+            states = [self.states.get(c) for c in client_ids]
+            rows, batch, new_states = self.runner.fit(
+                round_idx, client_ids, payloads, states, evaluate
+            )
+            self.states.update(zip(client_ids, new_states))
+            return rows, [batch]
+        # With a deadline, clients train one at a time (each is seeded on its own, so the numbers
+        # are those of one call) and the ones not started when it passes are dropped, as on Ray.
+        deadline = self.clock() + timeout
+        metrics: list[ClientMetrics] = []
+        replies: list[Any] = []
+        for i, cid in enumerate(client_ids):
+            if self.clock() > deadline:
+                log.warning(
+                    "round %d: deadline engine.round_timeout_s=%s passed; %d clients dropped",
+                    round_idx,
+                    timeout,
+                    len(client_ids) - i,
+                )
+                break
+            m, r, new = self.runner.fit(
+                round_idx, [cid], payloads, [self.states.get(cid)], evaluate
+            )
+            metrics += m
+            replies += r
+            self.states[cid] = new[0]
         return metrics, [replies]
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
@@ -165,10 +191,9 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
-def _capacity(cfg: RunConfig, total: dict[str, float]) -> int:
+def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
     """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
     not even the server fits)."""
-    e = cfg.engine
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
     if s.num_cpus > cpus or s.num_gpus > gpus:
@@ -185,17 +210,16 @@ def _bundle(res: Any) -> dict[str, float]:
     return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
 
 
-def wait_for_resources(cfg: RunConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
+def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
     """On a joined cluster (`engine.address`), ask the autoscaler for the run's workers and
     server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
     (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
     Returns the cluster's resources; raises UserError when the time runs out."""
     from ray.autoscaler.sdk import request_resources
 
-    e = cfg.engine
     required = e.num_workers or 1
     total = ray.cluster_resources()
-    if _capacity(cfg, total) >= required:
+    if _capacity(e, total) >= required:
         return total
     wanted = max(required, math.ceil(per_round / e.clients_per_call))
     bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
@@ -218,7 +242,7 @@ def wait_for_resources(cfg: RunConfig, per_round: int, poll_s: float = 2.0) -> d
     while time.monotonic() - start < e.wait_for_resources_s:
         time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
         total = ray.cluster_resources()
-        if _capacity(cfg, total) >= required:
+        if _capacity(e, total) >= required:
             log.warning(
                 "resources arrived after %.0f s: %g CPU / %g GPU",
                 time.monotonic() - start,
@@ -237,12 +261,11 @@ def wait_for_resources(cfg: RunConfig, per_round: int, poll_s: float = 2.0) -> d
     )
 
 
-def plan_workers(cfg: RunConfig, per_round: int) -> int:
+def plan_workers(e: EngineConfig, per_round: int) -> int:
     """How many workers fit the cluster with `engine.worker_resources` (after the server's share).
     On a joined cluster it first waits for the autoscaler (see `wait_for_resources`)."""
-    e = cfg.engine
     if e.address and e.wait_for_resources_s > 0:
-        total = wait_for_resources(cfg, per_round)
+        total = wait_for_resources(e, per_round)
     else:
         total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
@@ -252,7 +275,7 @@ def plan_workers(cfg: RunConfig, per_round: int) -> int:
             f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
             f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
         )
-    capacity = _capacity(cfg, total)
+    capacity = _capacity(e, total)
     if capacity < 1:
         raise UserError(
             f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
@@ -269,15 +292,12 @@ def plan_workers(cfg: RunConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
-    def __init__(
-        self, spec: RunSpec, federation: Federation, cfg: RunConfig, per_round: int
-    ) -> None:
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
-        self.cfg = cfg
-        self._started_ray = init_ray(cfg.engine.address, cfg.engine.ray_num_cpus)
-        e = cfg.engine
+        e = spec.engine
+        self._started_ray = init_ray(e.address, e.ray_num_cpus)
         try:
-            self.num_workers = plan_workers(cfg, per_round)
+            self.num_workers = plan_workers(e, spec.per_round)
             # The dataset goes into the object store once; every actor maps it zero-copy.
             self._federation_ref = ray.put(federation)
             self._worker_cls = ray.remote(ClientWorker).options(
@@ -303,7 +323,7 @@ class RayExecutor(Executor):
         log.info("Ray executor: %d workers", self.num_workers)
 
     def _wait_started(self, refs: list[Any]) -> None:
-        timeout = self.cfg.engine.startup_timeout_s
+        timeout = self.spec.engine.startup_timeout_s
         try:
             ray_get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -325,7 +345,7 @@ class RayExecutor(Executor):
 
     def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
         """Run `call` (which uses `self.server`); on a dead server restart it and run it again."""
-        retries = self.cfg.engine.max_retries
+        retries = self.spec.engine.max_retries
         for attempt in range(retries + 1):
             try:
                 return call()
@@ -358,7 +378,7 @@ class RayExecutor(Executor):
     def fit(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
     ) -> tuple[list[ClientMetrics], list[Any]]:
-        e = self.cfg.engine
+        e = self.spec.engine
         pending = deque(_batches(list(client_ids), e.clients_per_call))
         retries: dict[tuple[int, ...], int] = {}
         idle = deque(range(len(self.workers)))
@@ -457,9 +477,7 @@ class RayExecutor(Executor):
             self._started_ray = False
 
 
-def make_executor(
-    cfg: RunConfig, spec: RunSpec, federation: Federation, per_round: int
-) -> Executor:
-    if cfg.engine.executor == "serial":
+def make_executor(spec: RunSpec, federation: Federation) -> Executor:
+    if spec.engine.executor == "serial":
         return SerialExecutor(spec, federation)
-    return RayExecutor(spec, federation, cfg, per_round)
+    return RayExecutor(spec, federation)

@@ -114,9 +114,10 @@ class ServerRunner:
                     round_idx,
                     r.client_id,
                 )
-        if len(valid) < self.spec.min_replies:
+        min_replies = self.spec.engine.min_replies
+        if len(valid) < min_replies:
             raise RoundFailed(
-                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "
+                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={min_replies}; "
                 "lower train.lr or engine.min_replies"
             )
         metrics: dict[str, float] = {

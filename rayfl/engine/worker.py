@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -35,6 +35,7 @@ class ClientRunner:
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
         self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
+        self._spares: dict[tuple[str, int], Client] = {}  # more instances, for grouped training
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -44,7 +45,9 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
+    def _fresh_client(
+        self, arch: str, client_id: int, algorithm: str | None = None, slot: int = 0
+    ) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
         torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
@@ -52,7 +55,10 @@ class ClientRunner:
             client = self._algo.client(
                 self.spec.client_context(arch, self.device), self.spec.params
             )
-            self._clients[arch] = client
+            if slot:
+                self._spares[(arch, slot)] = client
+            else:
+                self._clients[arch] = client
         else:
             algo = ALGORITHMS.get(algorithm)
             client = algo.client(self.spec.client_context(arch, self.device), algo.params())
@@ -61,12 +67,14 @@ class ClientRunner:
             module.to(self.device)
         return client
 
-    def _trainer(self, round_idx: int, cid: int) -> LocalTrainer:
+    def _trainer(
+        self, round_idx: int, cid: int, make: Callable[..., LocalTrainer] = LocalTrainer
+    ) -> LocalTrainer:
         """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
         seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
         torch.manual_seed(seed)
         split = self.federation.clients[cid]
-        return LocalTrainer(
+        return make(
             self.federation.dataset,
             split.train,
             split.test,
@@ -99,38 +107,64 @@ class ClientRunner:
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []
+        if self.spec.engine.grouped:
+            from rayfl.engine.grouped import fit_grouped
+
+            return fit_grouped(self, round_idx, client_ids, payloads, states, evaluate)
         for cid, state in zip(client_ids, states):
-            arch = self.spec.archs[cid]
-            if state is None:
-                client = self._fresh_client(arch, cid)
-            else:
-                client = self._clients.get(arch) or self._fresh_client(arch, cid)
-                client.load_state_dict(state)
-            trainer = self._trainer(round_idx, cid)
-            client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
-            start = time.perf_counter()
-            train_metrics = client.fit(trainer)
-            train_s = time.perf_counter() - start
-            payload = client.upload()
-            row: ClientMetrics = {
-                "client": cid,
-                "arch": arch,
-                "num_train": trainer.num_samples,
-                "train_s": train_s,
-                "bytes_up": payload_nbytes(payload),
-                **{f"train/{k}": v for k, v in train_metrics.items()},
-            }
-            if evaluate:
-                row.update(evaluate_client(client, trainer))
-            new_state = client.state_dict()
-            if self.spec.local_baseline:
-                row["train_s"] += self._fit_baseline(
-                    round_idx, cid, state, new_state, row, evaluate
-                )
+            client = self.client_for(cid, state)
+            row, reply, new_state = self.client_round(
+                client, cid, round_idx, payloads, evaluate, state=state
+            )
             metrics.append(row)
-            replies.append(Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)))
+            replies.append(reply)
             new_states.append(new_state)
         return metrics, replies, new_states
+
+    def client_for(self, cid: int, state: Payload | None, slot: int = 0) -> Client:
+        """The client half for `cid` with its state loaded: a fresh one for a new client, else
+        the cached instance of its architecture (`slot` > 0: another one, for grouped training)."""
+        arch = self.spec.archs[cid]
+        if state is None:
+            return self._fresh_client(arch, cid, slot=slot)
+        cached = self._spares.get((arch, slot)) if slot else self._clients.get(arch)
+        client = cached or self._fresh_client(arch, cid, slot=slot)
+        client.load_state_dict(state)
+        return client
+
+    def client_round(
+        self,
+        client: Client,
+        cid: int,
+        round_idx: int,
+        payloads: Mapping[str, Payload],
+        evaluate: bool,
+        make_trainer: Callable[..., LocalTrainer] = LocalTrainer,
+        state: Payload | None = None,
+    ) -> tuple[ClientMetrics, Reply, Payload]:
+        """One client's round: receive, fit, upload, evaluate, save state (`state`: the one it
+        started from, for the local-only shadow)."""
+        arch = self.spec.archs[cid]
+        trainer = self._trainer(round_idx, cid, make_trainer)
+        client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
+        start = time.perf_counter()
+        train_metrics = client.fit(trainer)
+        train_s = time.perf_counter() - start
+        payload = client.upload()
+        row: ClientMetrics = {
+            "client": cid,
+            "arch": arch,
+            "num_train": trainer.num_samples,
+            "train_s": train_s,
+            "bytes_up": payload_nbytes(payload),
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        }
+        if evaluate:
+            row.update(evaluate_client(client, trainer))
+        new_state = client.state_dict()
+        if self.spec.local_baseline:
+            row["train_s"] += self._fit_baseline(round_idx, cid, state, new_state, row, evaluate)
+        return row, Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)), new_state
 
     def _fit_baseline(
         self,
