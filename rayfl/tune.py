@@ -81,6 +81,9 @@ class TuneSettings:
     seed: int | None = 0  # random search draws are reproducible for a given seed (None: not)
     resume: bool = False  # continue the Tune experiment already in <out>/tune
     verbose: int = 1  # Tune's console output: 0 silent, 1 status updates, 2 every result
+    # where Tune keeps the experiment (trial state, checkpoints): a path or a URI such as
+    # s3://bucket/rayfl-sweeps that every node reaches (None: <out>/tune on the driver's node)
+    storage: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class Sweep:
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a sweep and its resumption."""
         settings = dataclasses.asdict(self.tune)
-        for key in ("resume", "verbose", "max_concurrent"):
+        for key in ("resume", "verbose", "max_concurrent", "storage"):
             settings.pop(key)
         return {
             "name": self.name,
@@ -787,13 +790,20 @@ def sweep_and_report(
     return result, format_results(result)
 
 
+def tune_storage(t: TuneSettings, out: Path) -> str:
+    """Tune's `RunConfig(storage_path=...)`: `tune.storage` (a path or a URI such as
+    s3://bucket/prefix, which outlives the cluster's nodes), else `<out>/tune`."""
+    return t.storage or str(out / "tune")
+
+
 def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
-    exp_dir = out / "tune" / sweep.name
+    storage = tune_storage(t, out)
+    exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
     restoring = tune.Tuner.can_restore(str(exp_dir))
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -864,9 +874,7 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
                 ),
-                run_config=tune.RunConfig(
-                    name=sweep.name, storage_path=str(out / "tune"), verbose=t.verbose
-                ),
+                run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=t.verbose),
             )
         grid = tuner.fit()
         result = SweepResult(sweep, out, rows=_collect(grid, sweep))
