@@ -43,7 +43,13 @@ def final_table(result: Any, wall_s: float) -> str:
     if "baseline/local_acc" in final:
         rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
         rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
-    for key in ("proxy/acc", "global/acc", "pfedes/kl_local_proxy", "fedfd/distill_loss"):
+    for key in (
+        "proxy/acc",
+        "global/acc",
+        "pfedes/kl_local_proxy",
+        "fedfd/distill_loss",
+        "privacy/epsilon",
+    ):
         if key in final:
             rows.append((key, f"{final[key]:.4f}"))
     rounds = max(1, len(result.history))

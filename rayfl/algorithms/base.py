@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -213,6 +213,12 @@ class ModelClient(Client[P]):
 class Server(Generic[P]):
     """Server half: what goes down, how replies are combined, and any server-side training."""
 
+    # How `aggregate` depends on the uploads when it is a function of their SUM, which is all
+    # that secure aggregation and DP-FedAvg let through (`rayfl.privacy`): "weighted_mean"
+    # (sample-weighted average of array payloads) or "class_means" (per-class tables averaged
+    # by count). None: the server needs each upload on its own, and privacy refuses it.
+    sum_form: ClassVar[str | None] = None
+
     def __init__(self, ctx: ServerContext, params: P) -> None:
         self.ctx = ctx
         self.params: P = params
@@ -252,6 +258,7 @@ class AveragingServer(Server[P]):
 
     name = "global"
     scored = True
+    sum_form = "weighted_mean"
 
     def __init__(self, ctx: ServerContext, params: P, shared: nn.Module) -> None:
         super().__init__(ctx, params)

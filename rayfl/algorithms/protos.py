@@ -166,6 +166,7 @@ class ClassTableServer(Server[P]):
     clients' tables per class by count and broadcasts the result."""
 
     prefix = "classes"
+    sum_form = "class_means"
 
     def __init__(self, ctx: ServerContext, params: P, dim: int) -> None:
         super().__init__(ctx, params)

@@ -31,6 +31,7 @@ from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
+from rayfl.privacy import hook_for
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         engine=e,
         per_round=clients_per_round(cfg),
         local_baseline=cfg.eval.local_baseline,
+        privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
 

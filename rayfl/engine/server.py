@@ -82,6 +82,7 @@ class ServerRunner:
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
+        self._sent: dict[str, Payload] = {}
         self.data = EngineServerData(
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
@@ -91,6 +92,7 @@ class ServerRunner:
     ) -> tuple[dict[str, int], list[Payload]]:
         rnd = self.spec.round_context(round_idx)
         payloads = [self.server.broadcast(a, rnd) for a in archs]
+        self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
     def step(
@@ -124,6 +126,9 @@ class ServerRunner:
             "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
             "server/rejected": float(len(replies) - len(valid)),
         }
+        if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
+            valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
+            metrics.update(privacy_metrics)
         rnd = self.spec.round_context(round_idx)
         metrics.update(self.server.aggregate(valid, rnd))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))

@@ -51,6 +51,7 @@ class RunSpec:
     local_baseline: bool = (
         False  # also train a local-only shadow of each client (eval.local_baseline)
     )
+    privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
 
     def round_context(self, round_idx: int) -> RoundContext:
         """What both halves learn of the schedule in round `round_idx`."""
