@@ -468,7 +468,8 @@ def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
     if mean is None:
         return "-"
     std = agg.get(std_col(key))
-    return fmt.format(mean) if std is None else f"{fmt.format(mean)} ± {fmt.format(std)}"
+    spread = fmt.replace("+", "")  # a sign on the mean (a gain), never on the spread
+    return fmt.format(mean) if std is None else f"{fmt.format(mean)} ± {spread.format(std)}"
 
 
 def server_acc_keys(agg: Mapping[str, Any]) -> list[str]:

@@ -92,6 +92,9 @@ class EngineConfig:
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
     )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    # joined cluster (address set): how long to wait for the autoscaler to provide the workers
+    # the run needs (engine.num_workers, else one) before giving up; 0: do not wait
+    wait_for_resources_s: float = 600.0
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
     # Train a call's clients of one architecture together, vectorized with torch.func (same

@@ -22,7 +22,7 @@ from rayfl.tune.report import (
     write_best_config,
     write_results,
 )
-from rayfl.tune.sweep import Sweep, load_sweep, search_space
+from rayfl.tune.sweep import Sweep, TuneSettings, load_sweep, search_space
 from rayfl.tune.trial import (
     TrialJob,
     _check_fits,
@@ -137,13 +137,20 @@ def sweep_and_report(
     return result, format_results(result)
 
 
+def tune_storage(t: TuneSettings, out: Path) -> str:
+    """Tune's `RunConfig(storage_path=...)`: `tune.storage` (a path or a URI such as
+    s3://bucket/prefix, which outlives the cluster's nodes), else `<out>/tune`."""
+    return t.storage or str(out / "tune")
+
+
 def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
-    exp_dir = out / "tune" / sweep.name
+    storage = tune_storage(t, out)
+    exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
     restoring = tune.Tuner.can_restore(str(exp_dir))
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -214,9 +221,7 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
                 ),
-                run_config=tune.RunConfig(
-                    name=sweep.name, storage_path=str(out / "tune"), verbose=t.verbose
-                ),
+                run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=t.verbose),
             )
         grid = tuner.fit()
         result = SweepResult(sweep, out, rows=_collect(grid, sweep))

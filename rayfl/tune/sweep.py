@@ -50,6 +50,9 @@ class TuneSettings:
     seed: int | None = 0  # random search draws are reproducible for a given seed (None: not)
     resume: bool = False  # continue the Tune experiment already in <out>/tune
     verbose: int = 1  # Tune's console output: 0 silent, 1 status updates, 2 every result
+    # where Tune keeps the experiment (trial state, checkpoints): a path or a URI such as
+    # s3://bucket/rayfl-sweeps that every node reaches (None: <out>/tune on the driver's node)
+    storage: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Sweep:
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a sweep and its resumption."""
         settings = dataclasses.asdict(self.tune)
-        for key in ("resume", "verbose", "max_concurrent"):
+        for key in ("resume", "verbose", "max_concurrent", "storage"):
             settings.pop(key)
         return {
             "name": self.name,
