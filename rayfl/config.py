@@ -79,7 +79,11 @@ class EngineConfig:
     fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
     clients_per_round: int | None = None  # overrides `fraction` when set
     executor: Literal["serial", "ray"] = "ray"
-    num_workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) allow
+    # Worker actors of the Ray executor, each reserving `worker_resources` (the serial executor
+    # has none and ignores it). None: enough for one wave of a round's clients,
+    # ceil(clients per round / clients_per_call), at most what the cluster holds. A `rayfl tune`
+    # trial reserves its workers up front in its placement group, so there None means one.
+    num_workers: int | None = None
     worker_resources: Resources = field(default_factory=Resources)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
@@ -88,8 +92,14 @@ class EngineConfig:
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
     )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    # joined cluster (address set): how long to wait for the autoscaler to provide the workers
+    # the run needs (engine.num_workers, else one) before giving up; 0: do not wait
+    wait_for_resources_s: float = 600.0
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
+    # Train a call's clients of one architecture together, vectorized with torch.func (same
+    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
+    grouped: bool = False
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None
@@ -127,6 +137,39 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class DPConfig:
+    """Client-level DP (DP-FedAvg, McMahan et al. 2018; see `rayfl.privacy.dp`)."""
+
+    enabled: bool = False
+    clip: float = 1.0  # L2 bound on each client's update (or its statistics payload)
+    noise_multiplier: float = 1.0  # Gaussian noise std on the sum = noise_multiplier * clip
+    delta: float = 1e-5  # target delta of the reported (epsilon, delta)
+    accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's RDP or PLD accountant
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Secure aggregation (Bonawitz et al. 2017), simulated (see `rayfl.privacy.secagg`)."""
+
+    enabled: bool = False
+    frac_bits: int = 24  # fixed-point scale 2^frac_bits in the uint64 ring
+    threshold: float = 0.5  # shares needed to rebuild a secret: floor(threshold * n) + 1
+    dropout: float = 0.0  # simulated chance that a client drops after masking (seeded)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Protections of the shared payloads; algorithms do not know whether they are on."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp.enabled or self.secagg.enabled
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str
     params: Any  # the algorithm's own frozen Params dataclass instance
@@ -143,6 +186,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
 # --------------------------------------------------------------------------- ranges
@@ -199,6 +243,11 @@ RANGES: dict[str, Range] = {
     "engine.round_timeout_s": POSITIVE,
     "engine.min_replies": AT_LEAST_1,
     "engine.startup_timeout_s": POSITIVE,
+    "privacy.dp.clip": POSITIVE,
+    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
+    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
+    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
 }
 
 
@@ -392,6 +441,38 @@ def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_base_file(name: Any, referrer: Path, key: str = "base") -> Path:
+    """The experiment file a suite (`base_file:`) or a sweep (`base:`) builds on.
+
+    A relative path is looked up, in this order, next to the referring file, in the current
+    directory, then in the repository root (where `experiments/` lives), so a suite or sweep
+    works from wherever it is run; an absolute path is taken as it is.
+
+    Raises:
+        ConfigError: `name` is not a non-empty string, or no candidate is a file.
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{referrer}: {key}: name the experiment file to build on (e.g. experiments/pfedes_fmnist.yaml)"
+        )
+    path = Path(name).expanduser()
+    candidates = (
+        [path]
+        if path.is_absolute()
+        else [referrer.parent / path, Path.cwd() / path, REPO_ROOT / path]
+    )
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(
+        f"{referrer}: {key}: {name} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
+        "give a path relative to that file or to the repository root"
+    )
 
 
 def _deepcopy(d: Any) -> Any:

@@ -31,14 +31,13 @@ from torch import nn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    ClientContext,
-    ModelClient,
     Payload,
     Reply,
     RoundContext,
     Server,
     ServerContext,
     ServerData,
+    TrainConfig,
     Trainer,
     load_numpy,
     to_numpy,
@@ -59,54 +58,46 @@ class FedGHParams:
         require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
 
 
-class FedGHClient(ModelClient[FedGHParams]):
-    def __init__(self, ctx: ClientContext, params: FedGHParams) -> None:
-        super().__init__(ctx, params)
-        self.stats: Payload = {}
-
+class FedGHClient(protos.ClassStatsClient[FedGHParams]):
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.model.head, payload)
 
-    def fit(self, trainer: Trainer) -> dict[str, float]:
+    def train(self, trainer: Trainer) -> dict[str, float]:
         # A frozen header takes no gradient at all (so none accumulates on the cached instance).
         self.model.head.requires_grad_(not self.params.freeze_header)
         try:
-            metrics = trainer.run(self.training_step, [self.model])
+            return trainer.run(self.training_step, [self.model])
         finally:
             self.model.head.requires_grad_(True)
-        self.model.eval()
-        self.stats = protos.class_means(
-            self.model.features, trainer.batches("train"), self.ctx.num_classes
-        )
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
 
 
 def train_header(
     header: torch.nn.Module,
+    data: ServerData,
     features: torch.Tensor,
     labels: torch.Tensor,
     epochs: int,
     lr: float,
     batch_size: int,
 ) -> float:
-    """Train `header` on (prototype, class) pairs with CE and plain SGD; returns the last epoch's loss."""
-    optimizer = torch.optim.SGD(header.parameters(), lr=lr)
-    header.train()
+    """Train `header` on (prototype, class) pairs with CE and plain SGD through the engine's
+    minibatch loop; returns the last epoch's loss.
+
+    One call per epoch: plain SGD (no momentum, no weight decay) keeps no state between steps,
+    so a fresh optimizer per epoch trains exactly as one would.
+    """
+    sgd = TrainConfig(lr=lr, momentum=0.0, weight_decay=0.0, optimizer="sgd")
     last = float("nan")
     for _ in range(epochs):
-        order = torch.randperm(len(labels), device=labels.device)
-        total = 0.0
-        for start in range(0, len(labels), batch_size):
-            idx = order[start : start + batch_size]
-            loss = F.cross_entropy(header(features[idx]), labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(idx)
-        last = total / len(labels)
+        out = data.run(
+            lambda x, y: F.cross_entropy(header(x), y),
+            [header],
+            epochs=1,
+            settings=sgd,
+            data=(features, labels),
+            batch_size=batch_size,
+        )
+        last = out["loss"]
     return last
 
 
@@ -133,7 +124,13 @@ class FedGHServer(Server[FedGHParams]):
         self.pairs = None
         p = self.params
         loss = train_header(
-            self.header, features, labels, p.server_epochs, p.server_lr, self.ctx.train.batch_size
+            self.header,
+            data,
+            features,
+            labels,
+            p.server_epochs,
+            p.server_lr,
+            self.ctx.train.batch_size,
         )
         return {"fedgh/header_loss": loss} if p.server_epochs > 0 else {}
 

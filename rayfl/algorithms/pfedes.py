@@ -37,6 +37,7 @@ from torch import nn
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
+    Client,
     ClientContext,
     ModelClient,
     Payload,
@@ -48,6 +49,7 @@ from rayfl.algorithms.base import (
     load_numpy,
     to_numpy,
 )
+from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
 from rayfl.models.zoo import InputProxy, ProxyExtractor
 from rayfl.registry import ALGORITHMS
@@ -55,7 +57,7 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class PFedESParams:
-    variant: str = "kd"  # kd | input (any name in VARIANTS)
+    variant: str = "kd"  # kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS
     T: float = 4.0  # distillation temperature (kd)
     alpha: float = 0.1  # weight of the proxy's KD loss (kd)
     beta: float = (
@@ -123,9 +125,9 @@ class Variant:
         scored: the proxy is a classifier the server scores on its test set (`proxy/acc`).
     """
 
-    client: type[PFedESClient]
-    server: type[PFedESServer]
-    proxy: Callable[[PFedESParams, tuple[int, ...], int], nn.Module]
+    client: type[Client[PFedESParams]]
+    server: type[Server[PFedESParams]]
+    proxy: Callable[[PFedESParams, tuple[int, ...], int], nn.Module] | None = None
     scored: bool = True
 
 
@@ -138,7 +140,10 @@ def register_variant(name: str, variant: Variant) -> None:
 
 
 def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return VARIANTS[params.variant].proxy(params, in_shape, num_classes)
+    make = VARIANTS[params.variant].proxy
+    if make is None:
+        raise ValueError(f"pFedES variant {params.variant!r} shares no proxy")
+    return make(params, in_shape, num_classes)
 
 
 class PFedESClient(ModelClient[PFedESParams]):
@@ -147,10 +152,13 @@ class PFedESClient(ModelClient[PFedESParams]):
     returns the client class of `params.variant`."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is PFedESClient:  # (ctx, params): dispatch on params.variant
-            params = args[1] if len(args) > 1 else kwargs["params"]
-            cls = VARIANTS[params.variant].client
-        return super().__new__(cls)
+        if cls is not PFedESClient:
+            return super().__new__(cls)
+        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
+        target: Any = VARIANTS[params.variant].client
+        if not issubclass(target, PFedESClient):
+            return target(*args, **kwargs)  # a variant with halves of its own (stats)
+        return super().__new__(target)
 
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
@@ -250,11 +258,21 @@ class PFedESServer(Server[PFedESParams]):
     """Sample-weighted proxy average (optional weight cap, update clipping, EMA).
     `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
 
+    sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
+
+    @staticmethod
+    def variant_class(params: PFedESParams) -> type[Server[PFedESParams]]:
+        """The server half of `params.variant` (what `rayfl.privacy` asks for its sum form)."""
+        return VARIANTS[params.variant].server
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is PFedESServer:  # (ctx, params): dispatch on params.variant
-            params = args[1] if len(args) > 1 else kwargs["params"]
-            cls = VARIANTS[params.variant].server
-        return super().__new__(cls)
+        if cls is not PFedESServer:
+            return super().__new__(cls)
+        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
+        target: Any = VARIANTS[params.variant].server
+        if not issubclass(target, PFedESServer):
+            return target(*args, **kwargs)  # a variant with halves of its own (stats)
+        return super().__new__(target)
 
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
@@ -302,6 +320,8 @@ register_variant(
     ),
 )
 
+register_variant("stats", Variant(PFedESStatsClient, PFedESStatsServer, scored=False))
+
 ALGORITHMS.add(
     "pfedes",
     Algorithm(
@@ -309,6 +329,6 @@ ALGORITHMS.add(
         PFedESParams,
         PFedESClient,
         PFedESServer,
-        summary="proxy feature extractor sharing (variants kd | input)",
+        summary="proxy feature extractor sharing (variants kd | input | stats)",
     ),
 )

@@ -7,17 +7,19 @@ actor (with its own CPU/GPU share) by the Ray executor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from torch import nn
 
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
+from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device, torch_threads
-from rayfl.engine.training import ArrayBatches, accuracy
+from rayfl.engine.training import ArrayBatches, Step, accuracy, fit_tensors
 from rayfl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,11 @@ class RoundFailed(UserError):
 class EngineServerData:
     """`rayfl.algorithms.base.ServerData`: the public split and the server test set."""
 
-    def __init__(
-        self, federation: Federation, device: torch.device, batch_size: int, eval_batch_size: int
-    ):
+    def __init__(self, federation: Federation, device: torch.device, settings: TrainConfig):
         self.device = device
+        self.settings = settings
         self._federation = federation
-        self._sizes = {"public": batch_size, "test": eval_batch_size}
+        self._sizes = {"public": settings.batch_size, "test": settings.eval_batch_size}
         self._cache: dict[str, ArrayBatches] = {}
         self.generator = torch.Generator()
 
@@ -49,6 +50,33 @@ class EngineServerData:
             else:
                 raise ValueError(f"unknown server split {split!r}")
         return self._cache[split]
+
+    def run(
+        self,
+        step: Step,
+        modules: Sequence[nn.Module],
+        epochs: int | None = None,
+        steps: int | None = None,
+        params: Iterable[nn.Parameter] | None = None,
+        settings: TrainConfig | None = None,
+        split: str = "public",
+        data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, float]:
+        if data is None:
+            arrays = self._data(split)
+            data = (arrays.x, arrays.y)
+        # generator None: the global torch RNG, which the runner seeds before every server update
+        return fit_tensors(
+            step,
+            modules,
+            *data,
+            settings or self.settings,
+            epochs=epochs,
+            steps=steps,
+            params=params,
+            batch_size=batch_size,
+        )
 
     def num_samples(self, split: str = "public") -> int:
         if split == "public":
@@ -82,15 +110,15 @@ class ServerRunner:
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
-        self.data = EngineServerData(
-            federation, device, spec.train.batch_size, spec.train.eval_batch_size
-        )
+        self._sent: dict[str, Payload] = {}
+        self.data = EngineServerData(federation, device, spec.train)
 
     def broadcast(
         self, round_idx: int, archs: Sequence[str]
     ) -> tuple[dict[str, int], list[Payload]]:
         rnd = self.spec.round_context(round_idx)
         payloads = [self.server.broadcast(a, rnd) for a in archs]
+        self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
     def step(
@@ -114,15 +142,19 @@ class ServerRunner:
                     round_idx,
                     r.client_id,
                 )
-        if len(valid) < self.spec.min_replies:
+        min_replies = self.spec.engine.min_replies
+        if len(valid) < min_replies:
             raise RoundFailed(
-                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "
+                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={min_replies}; "
                 "lower train.lr or engine.min_replies"
             )
         metrics: dict[str, float] = {
             "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
             "server/rejected": float(len(replies) - len(valid)),
         }
+        if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
+            valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
+            metrics.update(privacy_metrics)
         rnd = self.spec.round_context(round_idx)
         metrics.update(self.server.aggregate(valid, rnd))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))

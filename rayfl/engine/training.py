@@ -1,7 +1,14 @@
-"""The one minibatch loop and the one evaluation loop. Every algorithm trains through these."""
+"""The one minibatch loop and the one evaluation loop. Every algorithm trains through these.
+
+`minibatch_loop` is the loop; `shuffled_batches` the one batching rule. A client reaches them
+through `LocalTrainer.run`, the server through `ServerData.run` (`rayfl.engine.server`), both by
+way of `fit_tensors` or directly, so FedFD's distillation and FedGH's header training run the
+very code the clients do.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -9,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import Batch, Client, TrainSettings
+from rayfl.algorithms.base import Batch, Client
+from rayfl.config import TrainConfig
 from rayfl.data.datasets import ArrayDataset
 
 
@@ -20,7 +28,7 @@ def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def make_optimizer(
     params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
-    settings: TrainSettings,
+    settings: TrainConfig,
     lr: float | None = None,
 ) -> torch.optim.Optimizer:
     """The configured optimizer over `params` (parameters, or torch parameter-group dicts)."""
@@ -31,6 +39,123 @@ def make_optimizer(
     return torch.optim.SGD(
         groups, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
     )
+
+
+def per_module(
+    params: Sequence[nn.Parameter], modules: Sequence[nn.Module]
+) -> list[list[nn.Parameter]]:
+    """`params` grouped by the module of `modules` that owns them (the first one, in order): one
+    group per module, aligned with `modules` (possibly empty), then the group of parameters no
+    module owns. Gradient clipping is applied per group: a client that trains two models at once
+    (pFedES's local model and proxy, FML's pair) clips each model's gradient on its own, so one
+    model's gradient never rescales the other's step."""
+    remaining = {id(p): p for p in params}
+    groups = [[remaining.pop(id(p)) for p in m.parameters() if id(p) in remaining] for m in modules]
+    groups.append(list(remaining.values()))
+    return groups
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shuffled_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
+) -> Iterator[Batch]:
+    """One pass over `(x[i], y[i])` in minibatches, in order or shuffled by `generator` (None: the
+    global torch RNG). The permutation is drawn when the first batch is asked for.
+
+    A trailing batch of one breaks BatchNorm in train mode: it is skipped (unless it is all the
+    data) and its sample is seen in the next pass.
+    """
+    n = len(y)
+    order = torch.randperm(n, generator=generator).to(x.device)
+    for start in range(0, n, batch_size):
+        idx = order[start : start + batch_size]
+        if len(idx) == 1 and n > 1:
+            continue
+        yield x[idx], y[idx]
+
+
+def minibatch_loop(
+    step: Step,
+    modules: Sequence[nn.Module],
+    batches: Iterable[Batch],
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None = None,
+) -> dict[str, float]:
+    """The one minibatch loop: `modules` in train mode, then for every batch
+    `loss = step(x, y)`, backward, optional gradient clipping (each module's gradient on its
+    own, `per_module`), optimizer step.
+
+    Returns:
+        `{"loss": mean of the batch losses weighted by batch size}` (NaN without batches).
+    """
+    for m in modules:
+        m.train()
+    clip_groups = [g for g in per_module(params, modules) if g]
+    total: torch.Tensor | None = None
+    count = 0
+    for x, y in batches:
+        loss = step(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip is not None:
+            for group in clip_groups:
+                nn.utils.clip_grad_norm_(group, grad_clip)
+        optimizer.step()
+        weighted = loss.detach() * len(y)
+        total = weighted if total is None else total + weighted
+        count += len(y)
+    return {"loss": float(total) / count if total is not None and count else float("nan")}
+
+
+def trainable(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
+
+
+def fit_tensors(
+    step: Step,
+    modules: Sequence[nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    settings: TrainConfig,
+    epochs: int | None = None,
+    steps: int | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+    module_lrs: Sequence[float | None] | None = None,
+) -> dict[str, float]:
+    """Train on the tensors `(x, y)` with `settings`' optimizer: `epochs` passes of shuffled
+    minibatches (default `settings.local_epochs`), or exactly `steps` minibatches, drawing a new
+    pass whenever one is used up (`steps` wins when both are given). `module_lrs`, aligned with
+    `modules`, gives a module its own learning rate (None: `lr`)."""
+    params = trainable(modules) if params is None else list(params)
+    size = batch_size or settings.batch_size
+    passes = (
+        itertools.count()
+        if steps is not None
+        else range(settings.local_epochs if epochs is None else epochs)
+    )
+    batches: Iterable[Batch] = (b for _ in passes for b in shuffled_batches(x, y, size, generator))
+    if steps is not None:
+        batches = itertools.islice(batches, steps)
+    if module_lrs is None:
+        optimizer = make_optimizer(params, settings, lr)
+    else:
+        if len(module_lrs) != len(modules):
+            raise ValueError("module_lrs must have one entry per module")
+        base = settings.lr if lr is None else lr
+        rates = [*module_lrs, None]  # parameters outside every module train at `lr`
+        groups = per_module(params, modules)
+        optimizer = make_optimizer(
+            [{"params": g, "lr": base if r is None else r} for g, r in zip(groups, rates) if g],
+            settings,
+            base,
+        )
+    return minibatch_loop(step, modules, batches, params, optimizer, settings.grad_clip)
 
 
 class ArrayBatches:
@@ -62,21 +187,11 @@ class ArrayBatches:
         """Batches in order, or shuffled by `generator`. With `targets`, the first `len(targets)`
         samples come paired with those per-sample targets instead of their labels."""
         y = self.y if targets is None else targets.to(self.x.device)
-        n = len(y)
-        order = (
-            torch.randperm(n, generator=generator).to(self.x.device)
-            if generator is not None
-            else None
-        )
-        for start in range(0, n, batch_size):
-            if order is None:
-                yield self.x[start : start + batch_size], y[start : start + batch_size]
-                continue
-            idx = order[start : start + batch_size]
-            # A trailing batch of one breaks BatchNorm in train mode; its sample is seen next epoch.
-            if len(idx) == 1 and n > 1:
-                continue
-            yield self.x[idx], y[idx]
+        if generator is not None:
+            yield from shuffled_batches(self.x[: len(y)], y, batch_size, generator)
+            return
+        for start in range(0, len(y), batch_size):
+            yield self.x[start : start + batch_size], y[start : start + batch_size]
 
 
 class LocalTrainer:
@@ -87,7 +202,7 @@ class LocalTrainer:
         dataset: ArrayDataset,
         train_idx: np.ndarray,
         test_idx: np.ndarray,
-        settings: TrainSettings,
+        settings: TrainConfig,
         device: torch.device,
         generator: torch.Generator,
         public: Callable[[], ArrayBatches] | None = None,
@@ -125,55 +240,22 @@ class LocalTrainer:
         targets: torch.Tensor | None = None,
         module_lrs: Sequence[float | None] | None = None,
     ) -> dict[str, float]:
-        epochs = self.settings.local_epochs if epochs is None else epochs
-        for m in modules:
-            m.train()
-        if params is None:
-            params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        params = list(params)
-        groups = per_module(params, modules)
-        clip_groups = [g for g in groups if g]
-        if module_lrs is None:
-            optimizer = make_optimizer(params, self.settings, lr)
-        else:
-            base = self.settings.lr if lr is None else lr
-            if len(module_lrs) != len(modules):
-                raise ValueError("module_lrs must have one entry per module")
-            rates = [*module_lrs, None]  # parameters outside every module train at `lr`
-            optimizer = make_optimizer(
-                [{"params": g, "lr": base if r is None else r} for g, r in zip(groups, rates) if g],
-                self.settings,
-                base,
-            )
-        total = torch.zeros((), device=self.device)
-        count = 0
-        for _ in range(epochs):
-            data = self.data(split)
-            for x, y in data.iterate(self.settings.batch_size, self.generator, targets):
-                loss = step(x, y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.settings.grad_clip is not None:
-                    for group in clip_groups:
-                        nn.utils.clip_grad_norm_(group, self.settings.grad_clip)
-                optimizer.step()
-                total += loss.detach() * len(y)
-                count += len(y)
-        return {"loss": float(total) / count if count else float("nan")}
-
-
-def per_module(
-    params: Sequence[nn.Parameter], modules: Sequence[nn.Module]
-) -> list[list[nn.Parameter]]:
-    """`params` grouped by the module of `modules` that owns them (the first one, in order): one
-    group per module, aligned with `modules` (possibly empty), then the group of parameters no
-    module owns. Gradient clipping is applied per group: a client that trains two models at once
-    (pFedES's local model and proxy, FML's pair) clips each model's gradient on its own, so one
-    model's gradient never rescales the other's step."""
-    remaining = {id(p): p for p in params}
-    groups = [[remaining.pop(id(p)) for p in m.parameters() if id(p) in remaining] for m in modules]
-    groups.append(list(remaining.values()))
-    return groups
+        data = self.data(split)
+        y = data.y if targets is None else targets.to(data.x.device)
+        return fit_tensors(
+            step,
+            modules,
+            data.x[: len(y)],
+            y,
+            self.settings,
+            epochs,
+            None,
+            params,
+            lr,
+            None,
+            self.generator,
+            module_lrs,
+        )
 
 
 @torch.no_grad()

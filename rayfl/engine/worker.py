@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -35,6 +35,7 @@ class ClientRunner:
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
         self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
+        self._spares: dict[tuple[str, int], Client] = {}  # more instances, for grouped training
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -44,7 +45,9 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
+    def _fresh_client(
+        self, arch: str, client_id: int, algorithm: str | None = None, slot: int = 0
+    ) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
         torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
@@ -52,7 +55,10 @@ class ClientRunner:
             client = self._algo.client(
                 self.spec.client_context(arch, self.device), self.spec.params
             )
-            self._clients[arch] = client
+            if slot:
+                self._spares[(arch, slot)] = client
+            else:
+                self._clients[arch] = client
         else:
             algo = ALGORITHMS.get(algorithm)
             client = algo.client(self.spec.client_context(arch, self.device), algo.params())
@@ -61,23 +67,18 @@ class ClientRunner:
             module.to(self.device)
         return client
 
-    def _load(self, client_id: int, state: Payload | None, algorithm: str | None = None) -> Client:
-        """The cached client half of this client's architecture holding `state` (a client
-        without state yet gets its initial weights); `algorithm` names a shadow's algorithm."""
-        arch = self.spec.archs[client_id]
-        cache = self._clients if algorithm is None else self._shadows
-        if state is None:
-            return self._fresh_client(arch, client_id, algorithm)
-        client = cache.get(arch) or self._fresh_client(arch, client_id, algorithm)
-        client.load_state_dict(state)
-        return client
-
-    def _trainer(self, round_idx: int, cid: int, purpose: int = TRAIN) -> LocalTrainer:
+    def _trainer(
+        self,
+        round_idx: int,
+        cid: int,
+        make: Callable[..., LocalTrainer] = LocalTrainer,
+        purpose: int = TRAIN,
+    ) -> LocalTrainer:
         """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
         seed = derive_seed(self.spec.seed, round_idx, cid, purpose)
         torch.manual_seed(seed)
         split = self.federation.clients[cid]
-        return LocalTrainer(
+        return make(
             self.federation.dataset,
             split.train,
             split.test,
@@ -103,14 +104,15 @@ class ClientRunner:
             rows: list[ClientMetrics] = []
             for cid, state in zip(client_ids, states):
                 arch = self.spec.archs[cid]
-                client = self._load(cid, state)
-                trainer = self._trainer(round_idx, cid, EVAL)
+                client = self.client_for(cid, state)
+                trainer = self._trainer(round_idx, cid, purpose=EVAL)
                 model = client.deployed_model(payloads.get(arch, {}), rnd)
                 row: ClientMetrics = {"client": cid, "arch": arch}
                 row.update(evaluate_client(client, trainer, model))
                 if self.spec.local_baseline:
-                    shadow = self._load(cid, _shadow_state(state), algorithm="local")
-                    row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
+                    row["baseline_acc"] = evaluate_client(self._shadow_for(cid, state), trainer)[
+                        "acc"
+                    ]
                 rows.append(row)
             return rows
 
@@ -137,34 +139,80 @@ class ClientRunner:
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []
+        if self.spec.engine.grouped:
+            from rayfl.engine.grouped import fit_grouped
+
+            return fit_grouped(self, round_idx, client_ids, payloads, states, evaluate)
         for cid, state in zip(client_ids, states):
-            arch = self.spec.archs[cid]
-            client = self._load(cid, state)
-            trainer = self._trainer(round_idx, cid)
-            client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
-            start = time.perf_counter()
-            train_metrics = client.fit(trainer)
-            train_s = time.perf_counter() - start
-            payload = client.upload()
-            row: ClientMetrics = {
-                "client": cid,
-                "arch": arch,
-                "num_train": trainer.num_samples,
-                "train_s": train_s,
-                "bytes_up": payload_nbytes(payload),
-                **{f"train/{k}": v for k, v in train_metrics.items()},
-            }
-            if evaluate:
-                row.update(evaluate_client(client, trainer))
-            new_state = client.state_dict()
-            if self.spec.local_baseline:
-                row["train_s"] += self._fit_baseline(
-                    round_idx, cid, state, new_state, row, evaluate
-                )
+            client = self.client_for(cid, state)
+            row, reply, new_state = self.client_round(
+                client, cid, round_idx, payloads, evaluate, state=state
+            )
             metrics.append(row)
-            replies.append(Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)))
+            replies.append(reply)
             new_states.append(new_state)
         return metrics, replies, new_states
+
+    def client_for(self, cid: int, state: Payload | None, slot: int = 0) -> Client:
+        """The client half for `cid` with its state loaded: a fresh one for a new client, else
+        the cached instance of its architecture (`slot` > 0: another one, for grouped training)."""
+        arch = self.spec.archs[cid]
+        if state is None:
+            return self._fresh_client(arch, cid, slot=slot)
+        cached = self._spares.get((arch, slot)) if slot else self._clients.get(arch)
+        client = cached or self._fresh_client(arch, cid, slot=slot)
+        client.load_state_dict(state)
+        return client
+
+    def client_round(
+        self,
+        client: Client,
+        cid: int,
+        round_idx: int,
+        payloads: Mapping[str, Payload],
+        evaluate: bool,
+        make_trainer: Callable[..., LocalTrainer] = LocalTrainer,
+        state: Payload | None = None,
+    ) -> tuple[ClientMetrics, Reply, Payload]:
+        """One client's round: receive, fit, upload, evaluate, save state (`state`: the one it
+        started from, for the local-only shadow)."""
+        arch = self.spec.archs[cid]
+        trainer = self._trainer(round_idx, cid, make_trainer)
+        client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
+        start = time.perf_counter()
+        train_metrics = client.fit(trainer)
+        train_s = time.perf_counter() - start
+        payload = client.upload()
+        if self.spec.privacy is not None:  # clip / mask before anything leaves the client
+            payload = self.spec.privacy.protect(
+                payload, payloads.get(arch, {}), round_idx, cid, trainer.num_samples
+            )
+        row: ClientMetrics = {
+            "client": cid,
+            "arch": arch,
+            "num_train": trainer.num_samples,
+            "train_s": train_s,
+            "bytes_up": payload_nbytes(payload),
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        }
+        if evaluate:
+            row.update(evaluate_client(client, trainer))
+        new_state = client.state_dict()
+        if self.spec.local_baseline:
+            row["train_s"] += self._fit_baseline(round_idx, cid, state, new_state, row, evaluate)
+        return row, Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)), new_state
+
+    def _shadow_for(self, cid: int, state: Payload | None) -> Client:
+        """The client's local-only shadow with its part (`baseline/`) of the client's state."""
+        arch = self.spec.archs[cid]
+        shadow_state = {
+            k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)
+        }
+        if not shadow_state:
+            return self._fresh_client(arch, cid, algorithm="local")
+        shadow = self._shadows.get(arch) or self._fresh_client(arch, cid, algorithm="local")
+        shadow.load_state_dict(shadow_state)
+        return shadow
 
     def _fit_baseline(
         self,
@@ -178,7 +226,7 @@ class ClientRunner:
         """Train the client's local-only shadow exactly as `algorithm.name=local` would (same
         initial weights, seeds and batches); its state travels in the client's own state under
         `baseline/`, and `row["baseline_acc"]` gets its accuracy. Returns the seconds it took."""
-        shadow = self._load(cid, _shadow_state(state), algorithm="local")
+        shadow = self._shadow_for(cid, state)
         trainer = self._trainer(round_idx, cid)
         start = time.perf_counter()
         shadow.fit(trainer)
@@ -187,12 +235,6 @@ class ClientRunner:
             row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
         new_state.update({BASELINE + k: v for k, v in shadow.state_dict().items()})
         return seconds
-
-
-def _shadow_state(state: Payload | None) -> Payload | None:
-    """The local-only shadow's part of a client's state (None before its first round)."""
-    shadow = {k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)}
-    return shadow or None
 
 
 class ClientWorker:

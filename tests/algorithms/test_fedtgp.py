@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fedtgp import (
     FedTGPClient,
     FedTGPParams,
@@ -44,7 +44,7 @@ def test_acl_loss_golden():
 
 def server(**kw):
     ctx = ServerContext(
-        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, CPU, TrainSettings(batch_size=4, lr=0.05), 0, 2
+        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, CPU, TrainConfig(batch_size=4, lr=0.05), 0, 2
     )
     return FedTGPServer(ctx, FedTGPParams(**kw))
 
@@ -83,7 +83,7 @@ def test_server_trains_one_separable_prototype_per_class():
 
 
 def test_client_predicts_by_nearest_prototype_and_params_are_checked():
-    c = FedTGPClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainSettings()), FedTGPParams())
+    c = FedTGPClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), FedTGPParams())
     assert isinstance(c.eval_model(), NearestPrototype)
     for kw, key in [({"lam": -1}, "lam"), ({"margin_threshold": -1}, "margin_threshold")]:
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):

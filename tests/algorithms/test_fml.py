@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses, shared_arch
 from rayfl.errors import ConfigError
 from rayfl.models import build_model
@@ -42,11 +42,11 @@ def test_each_loss_trains_only_its_own_model():
 
 def test_client_shares_the_meme_and_server_averages_it():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
+    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig())
     params = FMLParams(meme="tiny_a")
     client = FMLClient(ctx, params)
     assert set(client.persistent) == {"model"}
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainConfig(), 0, 2)
     server = FMLServer(sctx, params)
     down = server.broadcast("tiny_b", RND)
     client.receive(down, RND)
@@ -72,10 +72,10 @@ def test_meme_defaults_to_the_familys_smallest_cnn_not_mlp():
     # Defect: the meme defaulted to `mlp` even in the CNN family suites.
     shape = (1, 28, 28)
     family = tuple(f"cnn{k}" for k in range(1, 6))
-    ctx = ClientContext("cnn1", shape, 10, CPU, TrainSettings(), family_archs=family)
+    ctx = ClientContext("cnn1", shape, 10, CPU, TrainConfig(), family_archs=family)
     client = FMLClient(ctx, FMLParams())
     server = FMLServer(
-        ServerContext(family, dict.fromkeys(family, 1), shape, 10, CPU, TrainSettings(), 0, 5),
+        ServerContext(family, dict.fromkeys(family, 1), shape, 10, CPU, TrainConfig(), 0, 5),
         FMLParams(),
     )
     # cnn5 has the fewest parameters of CNN-1..5 (fc1 800 -> 500)

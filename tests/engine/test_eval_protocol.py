@@ -53,7 +53,7 @@ def test_deployed_lg_fedavg_scores_the_received_head(synthetic_raw):
     runner = sim.executor.runner  # serial executor: the in-process runner
     rnd = sim.spec.round_context(1)
     payload = sim.executor.server.server.broadcast("tiny_a", rnd)
-    client = runner._load(0, sim.executor.states[0])
+    client = runner.client_for(0, sim.executor.states[0])
     model = client.deployed_model(payload, rnd)
     for key, value in payload.items():
         np.testing.assert_array_equal(model.head.state_dict()[key.removeprefix("head.")], value)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import TrainSettings
+from rayfl.algorithms.base import TrainConfig
 from rayfl.config import build_config
 from rayfl.data.datasets import load_dataset
 from rayfl.engine.loop import Simulation
@@ -22,7 +22,7 @@ def test_per_module_groups_parameters_by_owner():
 
 def trainer(clip):
     ds = load_dataset("synthetic", num_samples=40, num_test=10, shape=(1, 2, 2), num_classes=2)
-    settings = TrainSettings(batch_size=40, lr=1.0, momentum=0.0, grad_clip=clip)
+    settings = TrainConfig(batch_size=40, lr=1.0, momentum=0.0, grad_clip=clip)
     return LocalTrainer(
         ds,
         np.arange(40),
