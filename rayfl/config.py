@@ -93,6 +93,9 @@ class EngineConfig:
     # Train a call's clients of one architecture together, vectorized with torch.func (same
     # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
     grouped: bool = False
+    # Score the server's models on the server test set while the next round's clients train
+    # (a separate Ray actor; same numbers, the row is completed when the score arrives).
+    pipeline_eval: bool = True
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None

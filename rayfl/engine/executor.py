@@ -23,7 +23,7 @@ import ray
 from rayfl.algorithms.base import Payload
 from rayfl.config import RunConfig
 from rayfl.data.federated import Federation
-from rayfl.engine.server import ServerActor, ServerRunner
+from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
 from rayfl.errors import UserError
@@ -66,8 +66,42 @@ class Executor(ABC):
     @abstractmethod
     def load_client_state(self, client_id: int, state: Payload) -> None: ...
 
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        """The server step without its evaluation, and a handle for `collect_eval`, so that the
+        evaluation (which feeds no broadcast) can run while the next round's clients train."""
+        return self.server_step(round_idx, replies, evaluate), None
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        """The metrics of a deferred evaluation (waits for it)."""
+        return {}
+
+    def snapshot(self) -> Any:
+        """The client and server states now, unaffected by later rounds (for checkpoints). An
+        executor that cannot freeze them returns itself, and the loop then does not pipeline."""
+        return self
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers and the server."""
+
+
+class StateView:
+    """States at the end of one round, as handles (values or ObjectRefs) resolved by `get`: what
+    a checkpoint reads (`client_states`, `server_state`) while the next round already runs."""
+
+    def __init__(self, clients: dict[int, Any], server: Any, get: Callable[[Any], Any]) -> None:
+        self._clients = clients
+        self._server = server
+        self._get = get
+
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        for c in client_ids:
+            if c in self._clients:
+                yield c, self._get(self._clients[c])
+
+    def server_state(self) -> dict[str, Any]:
+        return self._get(self._server)
 
 
 def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
@@ -100,6 +134,18 @@ class SerialExecutor(Executor):
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         return self.server.step(round_idx, replies, evaluate)
+
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        return self.server.step_deferred(round_idx, replies, evaluate)
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        return self.server.score(handle) if handle else {}
+
+    def snapshot(self) -> StateView:
+        # states are replaced, never changed in place: a shallow copy is a snapshot
+        return StateView(dict(self.states), self.server.state_dict(), lambda v: v)
 
     def server_state(self) -> dict[str, Any]:
         return self.server.state_dict()
@@ -220,7 +266,11 @@ class RayExecutor(Executor):
             )
             server: Any = self._server_cls.remote(spec, self._federation_ref)
             self.server = server
-            self._wait_started([w.info.remote() for w in self.workers] + [server.device.remote()])
+            self.evaluator = self._new_evaluator() if e.pipeline_eval else None
+            extra = [self.evaluator.device.remote()] if self.evaluator is not None else []
+            self._wait_started(
+                [w.info.remote() for w in self.workers] + [server.device.remote(), *extra]
+            )
         except BaseException:
             self.close()
             raise
@@ -355,6 +405,42 @@ class RayExecutor(Executor):
 
         return self._with_server(f"round {round_idx}", call)
 
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        evaluator = self.evaluator
+        if evaluator is None:
+            return self.server_step(round_idx, replies, evaluate), None
+
+        def call() -> tuple[dict[str, float], Any]:
+            metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
+                round_idx, evaluate, *replies
+            )
+            out = ray_get(metrics)
+            self._server_state = state
+            return out, (evaluator.score.remote(models), models) if evaluate else None
+
+        return self._with_server(f"round {round_idx}", call)
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        if handle is None:
+            return {}
+        ref, models = handle
+        try:
+            return ray_get(ref)
+        except ray.exceptions.RayActorError:
+            log.warning("the evaluation actor died; restarting it and scoring again")
+            self.evaluator = self._new_evaluator()
+            return ray_get(self.evaluator.score.remote(models))
+
+    def snapshot(self) -> StateView:
+        return StateView(dict(self.states), self._server_state, ray_get)
+
+    def _new_evaluator(self) -> Any:
+        # No CPU of its own, like the server: it fills the time workers spend off the CPU.
+        cls: Any = ray.remote(ServerEvaluator).options(num_cpus=0, num_gpus=0)
+        return cls.remote(self.spec, self._federation_ref)
+
     def server_state(self) -> dict[str, Any]:
         if self._server_state is not None:
             return ray_get(self._server_state)
@@ -376,7 +462,8 @@ class RayExecutor(Executor):
         self.states[client_id] = ray.put(state)
 
     def close(self) -> None:
-        for actor in [*getattr(self, "workers", []), getattr(self, "server", None)]:
+        actors = [*getattr(self, "workers", []), getattr(self, "server", None)]
+        for actor in [*actors, getattr(self, "evaluator", None)]:
             if actor is not None:
                 with suppress(Exception):
                     ray.kill(actor)

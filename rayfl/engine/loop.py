@@ -184,6 +184,8 @@ class Simulation:
         self.start_round = 1
         self.last_clients: list[int] = []
         self.executor: Executor | None = None
+        self._pending: _Pending | None = None
+        self._stop = False
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -200,21 +202,19 @@ class Simulation:
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
             comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
-                row = self.run_round(rnd, comm)
-                self.result.history.append(row)
-                for cb in self.callbacks:
-                    cb.on_round_state(
-                        cfg, rnd, self.last_clients, self.executor, self.result.history
-                    )
-                for cb in self.callbacks:
-                    cb.on_round_end(self, rnd, row)
-                if any(cb.should_stop for cb in self.callbacks):
+                if self.run_round(rnd, comm) is None or self._stop:
                     break
+            self._finish_pending()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
+            if status != "FINISHED" and self._pending is not None:
+                try:  # the last finished round still gets its row
+                    self._finish_pending()
+                except Exception:
+                    log.exception("the last round's evaluation failed")
             self.result.status = status
             for cb in self.callbacks:
                 try:
@@ -235,7 +235,10 @@ class Simulation:
         self.start_round = restored.round + 1
         log.info("resumed after round %d", restored.round)
 
-    def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float]:
+    def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float] | None:
+        """One round. Its row reaches the history and the callbacks once its server evaluation
+        is in: with `engine.pipeline_eval` that is after the next round's clients have trained.
+        Returns None when a callback stopped the run meanwhile (this round is then dropped)."""
         assert self.executor is not None
         cfg, ex = self.cfg, self.executor
         start = time.perf_counter()
@@ -245,8 +248,15 @@ class Simulation:
         sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
+        fit_end = time.perf_counter()
+        if self._finish_pending():
+            return None
+        pipelined = cfg.engine.pipeline_eval and rnd < cfg.engine.rounds
         server_start = time.perf_counter()
-        server_metrics = ex.server_step(rnd, replies, evaluate)
+        if pipelined:
+            server_metrics, handle = ex.server_step_deferred(rnd, replies, evaluate)
+        else:
+            server_metrics, handle = ex.server_step(rnd, replies, evaluate), None
         server_s = time.perf_counter() - server_start
         bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
@@ -257,9 +267,46 @@ class Simulation:
         row["comm/bytes_down"] = bytes_down
         row["comm/bytes_up_total"] = comm["up"]
         row["comm/bytes_down_total"] = comm["down"]
-        row["time/fit_s"] = server_start - fit_start
+        row["time/fit_s"] = fit_end - fit_start
         row["time/server_s"] = server_s
         row["time/round_s"] = time.perf_counter() - start
-        self.last_client_rows = client_rows
-        self.last_clients = clients
+        view = ex.snapshot() if handle is not None else ex
+        self._pending = _Pending(rnd, row, handle, view, clients, client_rows)
+        if handle is None:
+            self._finish_pending()
         return row
+
+    def _finish_pending(self) -> bool:
+        """Complete the waiting round's row with its server evaluation, record it and run the
+        callbacks on it, in round order. Returns whether a callback asked to stop."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._stop
+        assert self.executor is not None
+        wait = time.perf_counter()
+        pending.row.update(self.executor.collect_eval(pending.handle))
+        if pending.handle is not None:
+            pending.row["time/eval_wait_s"] = time.perf_counter() - wait
+        self.result.history.append(pending.row)
+        self.last_client_rows = pending.client_rows
+        self.last_clients = pending.clients
+        for cb in self.callbacks:
+            cb.on_round_state(
+                self.cfg, pending.round, pending.clients, pending.view, self.result.history
+            )
+        for cb in self.callbacks:
+            cb.on_round_end(self, pending.round, pending.row)
+        self._stop = any(cb.should_stop for cb in self.callbacks)
+        return self._stop
+
+
+@dataclass
+class _Pending:
+    """A finished round whose row waits for its server evaluation."""
+
+    round: int
+    row: dict[str, float]
+    handle: Any  # Executor.collect_eval's handle; None: the row is complete
+    view: Any  # the states at the end of the round (Executor.snapshot), for checkpoints
+    clients: list[int]
+    client_rows: list[ClientMetrics]

@@ -143,7 +143,7 @@ class LocalTrainer:
         return {"loss": float(total) / count if count else float("nan")}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def accuracy(model: nn.Module, batches: Iterable[Batch]) -> tuple[int, int]:
     """(correct, total) of `model` over `batches` in eval mode."""
     model.eval()
