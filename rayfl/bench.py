@@ -106,6 +106,7 @@ def run_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
                     # client phase time not spent training, with the training spread over the workers
                     "overhead_s": max(0.0, fit_s - train_s / workers),
                     "acc": result.final.get("personal/acc", float("nan")),
+                    "up_mb": sum(r.get("comm/bytes_up", 0.0) for r in rows) / n / 1e6,
                     "clients": cfg.data.num_clients,
                     "per_round": rows[-1]["clients"],
                     "peak_rss_mb": mem.peak / 2**20,
@@ -118,17 +119,18 @@ def run_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     lines = [
         f"benchmark {Path(path).name}: {bench.warmup_rounds} warm-up round(s) left out of the means",
         f"  {'variant':10s} {'clients':>7s} {'/round':>6s} {'workers':>7s} {'s/round':>8s} {'train s':>8s} "
-        f"{'overhead':>8s} {'server s':>8s} {'ratio':>6s} {'acc':>6s} {'driver peak MB':>14s} {'growth MB':>9s}",
+        f"{'overhead':>8s} {'server s':>8s} {'ratio':>6s} {'acc':>6s} {'up MB':>7s} {'driver peak MB':>14s} {'growth MB':>9s}",
     ]
     for label, r in results:
         lines.append(
             f"  {label:10s} {r['clients']:7d} {int(r['per_round']):6d} {r['workers']:7d} {r['round_s']:8.2f} "
-            f"{r['train_s']:8.2f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {base_round / r['round_s']:6.2f} {r['acc']:6.3f} "
+            f"{r['train_s']:8.2f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {base_round / r['round_s']:6.2f} {r['acc']:6.3f} {r['up_mb']:7.3f} "
             f"{r['peak_rss_mb']:14.0f} {r['rss_growth_mb']:9.0f}"
         )
     lines.append(
         "  train s = training time measured inside the workers, summed over clients; overhead = client phase "
         "wall time - train s / workers (state moves, calls, client evaluation); server s = aggregation + "
-        "server evaluation; ratio = first variant's s/round / this one's (above 1: faster)"
+        "server evaluation; ratio = first variant's s/round / this one's (above 1: faster); up MB = bytes "
+        "uploaded per round"
     )
     return "\n".join(lines)

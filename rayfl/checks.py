@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from rayfl.algorithms.base import Algorithm
 from rayfl.config import RunConfig
 from rayfl.errors import ConfigError
+from rayfl.privacy import check_fits as check_privacy_fits
 
 
 def check_algorithm_fits(
@@ -47,6 +48,7 @@ def check_algorithm_fits(
         )
     if algo.check_archs is not None:
         algo.check_archs(distinct, cfg.algorithm.params)
+    check_privacy_fits(algo, cfg.privacy, cfg.algorithm.params)
 
 
 def check_family(cfg: RunConfig) -> list[str]:

@@ -43,7 +43,13 @@ def final_table(result: Any, wall_s: float) -> str:
     if "baseline/local_acc" in final:
         rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
         rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
-    for key in ("proxy/acc", "global/acc", "pfedes/kl_local_proxy", "fedfd/distill_loss"):
+    for key in (
+        "proxy/acc",
+        "global/acc",
+        "pfedes/kl_local_proxy",
+        "fedfd/distill_loss",
+        "privacy/epsilon",
+    ):
         if key in final:
             rows.append((key, f"{final[key]:.4f}"))
     rounds = max(1, len(result.history))
@@ -95,7 +101,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
             )
-        cfg = load_config(run_dir / "config.yaml", args.overrides)
+        # `rayfl run --resume DIR engine.rounds=8`: argparse puts the first override in `config`
+        overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
+        if any("=" not in o for o in overrides):
+            raise UserError(
+                "--resume takes the run directory's own config.yaml; pass only key=value overrides"
+            )
+        cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
@@ -210,7 +222,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rayfl.compare import run_suite
 
-    print(run_suite(args.suite, args.overrides, out=args.out))
+    print(
+        run_suite(args.suite, args.overrides, out=args.out, keep_checkpoints=args.keep_checkpoints)
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rayfl.report import write_report
+
+    print(f"report: {write_report(args.dir, args.out)}")
     return 0
 
 
@@ -245,7 +266,8 @@ EXAMPLES = {
     "compare": """examples:
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
-  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite   # again: resumes""",
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite   # again: resumes
+  rayfl compare experiments/suites/pfedes_paper_fmnist.yaml parallel=2 --out runs/suite""",
     "tune": """examples:
   rayfl tune experiments/sweeps/pfedes_T_alpha.yaml --out runs/sweep
   rayfl tune experiments/sweeps/pfedes_T_alpha.yaml engine.rounds=2""",
@@ -318,7 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
     p.add_argument("suite")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    p.add_argument("--out", help="output directory")
+    p.add_argument("--out", help="output directory (the same one again resumes the suite)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's checkpoint (default: removed once the run finished)",
+    )
     p.set_defaults(fn=cmd_compare)
 
     p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow")
@@ -326,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--out", help="output directory")
     p.set_defaults(fn=cmd_tune)
+
+    p = _sub(sub, "report", "one self-contained HTML page for a run, a suite or a sweep folder")
+    p.add_argument(
+        "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
+    )
+    p.add_argument("--out", help="the HTML file (default DIR/report.html)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 

@@ -2,6 +2,7 @@
 
     rayfl compare experiments/suites/pfedes_paper_fmnist.yaml
     rayfl compare experiments/suites/seed3_fmnist.yaml seeds=[0] algorithms=[local,fedproto] engine.rounds=2
+    rayfl compare experiments/suites/pfedes_paper_fmnist.yaml parallel=2 --out runs/suite
 
 A suite file:
 
@@ -23,10 +24,18 @@ from the `data` section and the seed only, so an algorithm's overrides may not t
 `seed` (put such changes in `base` or a setting). Command-line overrides apply to every run,
 except the suite-level `seeds=[...]`, `algorithms=[labels]` and `settings=[names]`, which select.
 
-Runs execute one after another (each on Ray or serially, per its `engine.executor`), each as an
-MLflow child run under one parent run. The output folder holds every run's directory,
-`runs.csv|parquet` (one row per run), `results.csv|parquet` (mean and std over seeds of every
-final metric), learning-curve plots and `table.txt` (what `run_suite` returns).
+    parallel: 2                        # optional: runs at a time (default 1: one after another)
+
+Runs execute `parallel` at a time: with 1, one after another in this process (each on Ray or
+serially, per its `engine.executor`); with more, each run is a Ray task inside its own placement
+group (a driver bundle plus one bundle per worker, which also holds the run's worker and server
+actors), so runs on a cluster never hold half of what they need. Each run is an MLflow child run
+under one parent run. Rerunning the same command with the same `--out` resumes: finished runs are
+skipped, unfinished ones continue from their checkpoints; a failed run is recorded (status FAILED
+and its error) and the others go on. Checkpoints are removed once a run finished, unless
+`--keep-checkpoints`. The output folder holds every run's directory, `runs.csv|parquet` (one row
+per run), `results.csv|parquet` (`<metric> [mean]` and `<metric> [std]` over seeds of every final
+metric), learning-curve plots and `table.txt` (what `run_suite` returns).
 """
 
 from __future__ import annotations
@@ -35,10 +44,12 @@ import copy
 import dataclasses
 import logging
 import math
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,7 +59,16 @@ from rayfl.errors import ConfigError, UserError, suggest
 
 log = logging.getLogger(__name__)
 
-SUITE_KEYS = ("suite", "base", "base_file", "algorithms", "seeds", "settings", "description")
+SUITE_KEYS = (
+    "suite",
+    "base",
+    "base_file",
+    "algorithms",
+    "seeds",
+    "settings",
+    "description",
+    "parallel",
+)
 SELECT_KEYS = ("seeds", "algorithms", "settings")  # suite-level command-line overrides
 PERSONAL = "personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
@@ -73,6 +93,7 @@ class Suite:
     seeds: list[int]
     settings: list[str]  # [""] when the suite has no settings
     algorithms: dict[str, str]  # label -> algorithm name
+    parallel: int = 1  # runs at a time (each reserving its workers through a placement group)
 
 
 # --------------------------------------------------------------------------- loading
@@ -109,7 +130,9 @@ def _split_cli(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     rest: list[str] = []
     for text in overrides:
         keypath, value = parse_override(text)
-        if len(keypath) == 1 and keypath[0] in SELECT_KEYS:
+        if keypath == ["parallel"]:
+            select["parallel"] = value
+        elif len(keypath) == 1 and keypath[0] in SELECT_KEYS:
             if not isinstance(value, list):
                 raise ConfigError(
                     f"override {text!r}: {keypath[0]} takes a list, e.g. {keypath[0]}=[a,b]"
@@ -267,6 +290,11 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
                 except UserError as exc:
                     raise type(exc)(f"{path}: {where}{exc}") from None
                 runs.append(SuiteRun(label, seed, cfg, setting))
+    parallel = select.get("parallel", raw.get("parallel", 1))
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ConfigError(
+            f"{path}: parallel must be a whole number >= 1 (runs at a time), got {parallel!r}"
+        )
     return Suite(
         name=name,
         runs=runs,
@@ -274,6 +302,7 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
         seeds=seeds,
         settings=[s[0] for s in settings],
         algorithms={a[0]: a[1] for a in algos},
+        parallel=parallel,
     )
 
 
@@ -309,6 +338,14 @@ def preflight(suite: Suite) -> None:
             )
 
 
+def _parallel_ray(suite: Suite) -> bool:
+    """Parallel runs are Ray tasks whatever their executor: join or start the suite's Ray."""
+    from rayfl.engine.executor import init_ray
+
+    e = suite.runs[0].config.engine
+    return init_ray(e.address, e.ray_num_cpus)
+
+
 def _shared_ray(suite: Suite) -> Any:
     """Start one local Ray for all runs (instead of one per run) when they all want the same one."""
     keys = {
@@ -338,6 +375,7 @@ def _final_row(run: SuiteRun, result: Any, wall_s: float, run_dir: Path) -> dict
         "rounds": len(result.history),
         "run_dir": str(run_dir),
         "mlflow_run_id": result.tracker_run_id or "",
+        "error": "",
     }
     row.update({k: float(v) for k, v in sorted(final.items()) if k not in ("round",)})
     row["comm/mb_up_per_round"] = up
@@ -356,35 +394,49 @@ ID_COLUMNS = (
     "rounds",
     "run_dir",
     "mlflow_run_id",
+    "error",
 )
 
 
-def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and std (sample std, ddof=1; 0 for one seed) over seeds of every numeric metric.
+def mean_col(metric: str) -> str:
+    """Column of the mean over seeds of `metric` in results.parquet: `personal/acc [mean]`."""
+    return f"{metric} [mean]"
 
-    Returns one row per (setting, label), in first-seen order, with `<metric>_mean`,
-    `<metric>_std` columns and `seeds` (how many runs it averages).
+
+def std_col(metric: str) -> str:
+    """Column of the sample std over seeds (empty with one seed): `personal/acc [std]`."""
+    return f"{metric} [std]"
+
+
+def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and sample std (ddof=1; None for one seed) over the finished seeds of every metric.
+
+    Returns one row per (setting, label), in first-seen order, with `<metric> [mean]` and
+    `<metric> [std]` columns, `seeds` (finished runs it averages) and `failed` (runs that failed).
     """
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:
         groups[(row["setting"], row["label"])].append(row)
     out: list[dict[str, Any]] = []
     for (setting, label), members in groups.items():
+        done = [m for m in members if m.get("status", "FINISHED") == "FINISHED"]
         agg: dict[str, Any] = {
             "setting": setting,
             "label": label,
             "algorithm": members[0]["algorithm"],
-            "seeds": len(members),
+            "seeds": len(done),
+            "failed": len(members) - len(done),
         }
-        metrics = sorted({k for m in members for k in m if k not in ID_COLUMNS})
+        metrics = sorted({k for m in done for k in m if k not in ID_COLUMNS})
         for key in metrics:
             values = np.array(
-                [float(m[key]) for m in members if m.get(key) is not None], dtype=np.float64
+                [float(m[key]) for m in done if m.get(key) is not None], dtype=np.float64
             )
+            values = values[~np.isnan(values)]
             if len(values) == 0:
                 continue
-            agg[f"{key}_mean"] = float(values.mean())
-            agg[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            agg[mean_col(key)] = float(values.mean())
+            agg[std_col(key)] = float(values.std(ddof=1)) if len(values) > 1 else None
         out.append(agg)
     return out
 
@@ -420,19 +472,73 @@ def mean_curves(
 
 
 def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
-    if f"{key}_mean" not in agg:
+    """`mean ± std` over seeds, or the plain value when only one seed ran."""
+    mean = agg.get(mean_col(key))
+    if mean is None:
         return "-"
-    return f"{fmt.format(agg[f'{key}_mean'])} ± {fmt.format(agg[f'{key}_std'])}"
+    std = agg.get(std_col(key))
+    return fmt.format(mean) if std is None else f"{fmt.format(mean)} ± {fmt.format(std)}"
 
 
 def server_acc_keys(agg: Mapping[str, Any]) -> list[str]:
     """`<model>/acc` metrics of server-side models (global, proxy, meme, mentee, ...)."""
-    keys = [k[: -len("_mean")] for k in agg if k.endswith("/acc_mean")]
+    keys = [k[: -len(mean_col(""))] for k in agg if k.endswith(mean_col("/acc"))]
     return sorted(k for k in keys if k.count("/") == 1 and k != PERSONAL)
 
 
-def format_results(suite: Suite, results: Sequence[Mapping[str, Any]], wall_s: float) -> str:
-    """The printed comparison: one table per setting, then accuracy per architecture group."""
+GAIN = "baseline/gain_points"
+
+
+def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The comparison as (header, rows) of text cells, shared by the printed table and the HTML
+    report: personalized accuracy, gain over local (when measured), server-side models'
+    accuracy, communication, wall time, runs."""
+    gain = any(mean_col(GAIN) in r for r in results)
+    header = ["algorithm", "personal acc", *(["gain over local (pts)"] if gain else [])]
+    header += ["server model acc", "MB/round up+down", "wall s/run", "runs"]
+    body = []
+    for agg in results:
+        server = ", ".join(f"{k.split('/')[0]} {_pm(agg, k)}" for k in server_acc_keys(agg)) or "-"
+        runs = f"{agg['seeds']}" + (f" ({agg['failed']} FAILED)" if agg.get("failed") else "")
+        body.append(
+            [
+                agg["label"],
+                _pm(agg, PERSONAL),
+                *([_pm(agg, GAIN, "{:+.2f}")] if gain else []),
+                server,
+                _pm(agg, "comm/mb_per_round", "{:.3f}"),
+                _pm(agg, "time/wall_s", "{:.1f}"),
+                runs,
+            ]
+        )
+    return header, body
+
+
+def arch_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Personalized accuracy per architecture group as (header, rows); no columns when none."""
+    suffix = mean_col("")
+    archs = sorted(
+        {
+            k[len(ARCH_PREFIX) : -len(suffix)]
+            for r in results
+            for k in r
+            if k.startswith(ARCH_PREFIX) and k.endswith(suffix)
+        }
+    )
+    if not archs:
+        return [], []
+    body = [[agg["label"], *(_pm(agg, ARCH_PREFIX + a) for a in archs)] for agg in results]
+    return ["algorithm", *archs], body
+
+
+def format_results(
+    suite: Suite,
+    results: Sequence[Mapping[str, Any]],
+    wall_s: float,
+    failed: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """The printed comparison: one table per setting, accuracy per architecture group, and the
+    runs that failed with their errors."""
 
     def render(header: list[str], body: list[list[str]]) -> list[str]:
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
@@ -441,10 +547,11 @@ def format_results(suite: Suite, results: Sequence[Mapping[str, Any]], wall_s: f
             for r in [header, *body]
         ]
 
+    spread = "mean ± std over seeds" if len(suite.seeds) > 1 else "one seed"
     lines = [
         f"suite {suite.name}: {len(suite.runs)} runs ({len(suite.labels)} algorithms x {len(suite.seeds)} seeds"
         f"{f' x {len(suite.settings)} settings' if suite.settings != [''] else ''}); "
-        f"final round, mean ± std over seeds {suite.seeds}; wall time {wall_s:.0f} s"
+        f"final round, {spread} {suite.seeds}; wall time {wall_s:.0f} s"
     ]
     for setting in suite.settings:
         rows = [r for r in results if r["setting"] == setting]
@@ -453,36 +560,163 @@ def format_results(suite: Suite, results: Sequence[Mapping[str, Any]], wall_s: f
         lines.append("")
         if setting:
             lines.append(f"setting {setting}")
-        header = ["algorithm", "personal/acc", "server model acc", "MB/round up+down", "wall s/run"]
-        body = []
-        for agg in rows:
-            server = (
-                ", ".join(f"{k.split('/')[0]} {_pm(agg, k)}" for k in server_acc_keys(agg)) or "-"
-            )
-            body.append(
-                [
-                    agg["label"],
-                    _pm(agg, PERSONAL),
-                    server,
-                    _pm(agg, "comm/mb_per_round", "{:.3f}"),
-                    _pm(agg, "time/wall_s", "{:.1f}"),
-                ]
-            )
-        lines += render(header, body)
-        archs = sorted(
-            {
-                k[len(ARCH_PREFIX) : -len("_mean")]
-                for r in rows
-                for k in r
-                if k.startswith(ARCH_PREFIX) and k.endswith("_mean")
-            }
-        )
-        if archs:
+        lines += render(*table_rows(rows))
+        header, body = arch_rows(rows)
+        if header:
             lines.append("")
             lines.append("  personalized accuracy per architecture group")
-            body = [[agg["label"], *(_pm(agg, ARCH_PREFIX + a) for a in archs)] for agg in rows]
-            lines += render(["algorithm", *archs], body)
+            lines += render(header, body)
+    if failed:
+        lines.append("")
+        lines.append(f"  {len(failed)} run(s) FAILED (rerun the same command to retry them):")
+        for row in failed:
+            lines.append(f"    {row['run_dir']}: {row['error']}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def run_dir_of(out_dir: Path, run: SuiteRun) -> Path:
+    return out_dir / (run.setting or ".") / run.label / f"seed{run.seed}"
+
+
+def _read_history(run_dir: Path) -> list[dict[str, float]]:
+    import pyarrow.parquet as pq
+
+    path = run_dir / "metrics.parquet"
+    return pq.read_table(path).to_pylist() if path.exists() else []
+
+
+def finished_row(
+    run: SuiteRun, run_dir: Path, previous: Mapping[str, Mapping[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
+    """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
+    it), or None. `previous` holds the rows of the last runs.parquet by run directory."""
+    import json
+
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status") != "FINISHED":
+        return None
+    history = _read_history(run_dir)
+    old = previous.get(str(run_dir))
+    if old is not None and old.get("status") == "FINISHED":
+        return dict(old), history
+    result = SimpleNamespace(
+        final=summary.get("final", {}), history=history, status="FINISHED", tracker_run_id=None
+    )
+    return _final_row(run, result, float(summary.get("wall_s", 0.0)), run_dir), history
+
+
+def remove_checkpoints(run_dir: Path) -> None:
+    """Delete a finished run's checkpoint: the `checkpoint` link and the folders it points into."""
+    link = run_dir / "checkpoint"
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    for folder in run_dir.glob("checkpoint*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def execute_run(
+    run: SuiteRun, run_dir: Path, parent_id: str | None, keep_checkpoints: bool
+) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """Run (or resume from its checkpoint) one suite run; a failure becomes a FAILED row with
+    the error instead of ending the suite. Checkpoints go once it finished, unless kept."""
+    from rayfl.launch import simulate
+
+    resume = (run_dir / "checkpoint").exists()
+    start = time.perf_counter()
+    try:
+        result = simulate(
+            run.config, run_dir, progress=False, resume=resume, parent_run_id=parent_id
+        )
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        log.warning("suite run %s failed: %s", run_dir, exc)
+        failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
+        row = _final_row(run, failed, time.perf_counter() - start, run_dir)
+        row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        return row, []
+    row = _final_row(run, result, time.perf_counter() - start, run_dir)
+    if result.status == "FINISHED" and not keep_checkpoints:
+        remove_checkpoints(run_dir)
+    return row, result.history
+
+
+def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], RunConfig]:
+    """Placement-group bundles for one run given `share` of the cluster's CPUs/GPUs, and the
+    config with `engine.num_workers` fixed to the bundles it gets. Bundle 0 is the run's driver
+    (a sliver of CPU for a Ray-executor run; the whole training for a serial one)."""
+    from rayfl.config import clients_per_round
+
+    e = cfg.engine
+    w = e.worker_resources
+    if e.executor == "serial":
+        return [{"CPU": max(w.num_cpus, 1.0)}], cfg
+    import ray
+
+    total = ray.cluster_resources()
+    room = []
+    if w.num_cpus > 0:
+        room.append(math.floor(total.get("CPU", 0.0) * share / w.num_cpus + 1e-9))
+    if w.num_gpus > 0:
+        room.append(math.floor(total.get("GPU", 0.0) * share / w.num_gpus + 1e-9))
+    wanted = e.num_workers or math.ceil(clients_per_round(cfg) / e.clients_per_call)
+    workers = max(1, min(wanted, *room))
+    worker = {k: v for k, v in (("CPU", w.num_cpus), ("GPU", w.num_gpus)) if v > 0}
+    driver = {"CPU": 0.01 + e.server_resources.num_cpus}
+    if e.server_resources.num_gpus > 0:
+        driver["GPU"] = e.server_resources.num_gpus
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=workers))
+    return [driver] + [dict(worker) for _ in range(workers)], cfg
+
+
+def _execute_parallel(
+    todo: list[tuple[int, SuiteRun, Path]],
+    parallel: int,
+    parent_id: str | None,
+    keep_checkpoints: bool,
+    done: Any,
+) -> None:
+    """Run `parallel` suite runs at a time as Ray tasks, each inside its own placement group
+    (driver bundle + one bundle per worker) that also captures the run's worker and server
+    actors, so runs never hold half of what they need; `done(index, row, history)` per run."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote = ray.remote(execute_run)
+    queue = list(todo)
+    running: dict[Any, tuple[int, SuiteRun, Path, Any, float]] = {}
+    while queue or running:
+        while queue and len(running) < parallel:
+            index, run, run_dir = queue.pop(0)
+            bundles, cfg = run_bundles(run.config, 1.0 / parallel)
+            pg = placement_group(bundles, strategy="PACK")
+            ref = remote.options(
+                num_cpus=bundles[0].get("CPU", 0.0),
+                num_gpus=bundles[0].get("GPU", 0.0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+                ),
+            ).remote(run._replace(config=cfg), run_dir, parent_id, keep_checkpoints)
+            running[ref] = (index, run, run_dir, pg, time.perf_counter())
+        ready, _ = ray.wait(list(running), num_returns=1)
+        index, run, run_dir, pg, started = running.pop(ready[0])
+        try:
+            row, history = ray.get(ready[0])
+        except ray.exceptions.RayError as exc:  # the task itself died (not the run's own error)
+            failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
+            row = _final_row(run, failed, time.perf_counter() - started, run_dir)
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}"
+            history = []
+        finally:
+            remove_placement_group(pg)
+        done(index, row, history)
 
 
 def run_suite(
@@ -490,21 +724,27 @@ def run_suite(
     overrides: Sequence[str] = (),
     out: str | Path | None = None,
     progress: bool = True,
+    keep_checkpoints: bool = False,
 ) -> str:
-    """Run every run of a suite one after another and write the side-by-side results.
+    """Run every run of a suite and write the side-by-side results.
+
+    Runs go `parallel` at a time (suite key or `parallel=N` override; default one after another).
+    Rerunning the same command on the same `out` resumes: runs whose directory holds a FINISHED
+    `summary.json` are skipped, unfinished ones continue from their checkpoints. A run that fails
+    is recorded (status FAILED, its error) and the suite goes on.
 
     Args:
         path: the suite YAML.
         overrides: see `load_suite`.
         out: output folder (default `runs/suite-<name>-<time>`).
         progress: show a progress bar over the runs on stderr.
+        keep_checkpoints: keep each finished run's checkpoint (default: removed once it finished).
 
     Returns:
         The comparison table (also written to `<out>/table.txt`).
     """
     from tqdm.auto import tqdm
 
-    from rayfl.launch import simulate
     from rayfl.tracking import make_tracker
     from rayfl.tracking.plots import plot_compare
 
@@ -515,6 +755,11 @@ def run_suite(
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "suite.yaml").write_text(Path(path).read_text())
+    previous = {}
+    if (out_dir / "runs.parquet").exists():
+        import pyarrow.parquet as pq
+
+        previous = {r["run_dir"]: r for r in pq.read_table(out_dir / "runs.parquet").to_pylist()}
     first = suite.runs[0].config.tracking
     parent = make_tracker(
         first.backend,
@@ -533,26 +778,50 @@ def run_suite(
             "settings": suite.settings,
             "overrides": list(overrides),
             "runs": len(suite.runs),
+            "parallel": suite.parallel,
         }
     )
     parent_id = getattr(parent, "run_id", None)
-    started_ray = _shared_ray(suite)
-    rows: list[dict[str, Any]] = []
-    histories: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+    slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
+    todo: list[tuple[int, SuiteRun, Path]] = []
+    for index, run in enumerate(suite.runs):
+        run_dir = run_dir_of(out_dir, run)
+        slots[index] = finished_row(run, run_dir, previous)
+        if slots[index] is None:
+            todo.append((index, run, run_dir))
+    if len(todo) < len(suite.runs):
+        log.warning(
+            "suite %s: %d of %d runs already finished in %s; running the other %d",
+            suite.name,
+            len(suite.runs) - len(todo),
+            len(suite.runs),
+            out_dir,
+            len(todo),
+        )
     start = time.perf_counter()
     bar = tqdm(
-        total=len(suite.runs), desc=suite.name, unit="run", disable=not progress, dynamic_ncols=True
+        total=len(suite.runs),
+        initial=len(suite.runs) - len(todo),
+        desc=suite.name,
+        unit="run",
+        disable=not progress,
+        dynamic_ncols=True,
     )
+
+    def done(index: int, row: dict[str, Any], history: list[Any]) -> None:
+        slots[index] = (row, history)
+        # finished runs survive a later interruption
+        _write_table([s[0] for s in slots if s is not None], out_dir / "runs")
+        bar.update(1)
+
+    started_ray = _shared_ray(suite) if suite.parallel == 1 else _parallel_ray(suite)
     try:
-        for run in suite.runs:
-            bar.set_postfix_str(run_name(run.setting, run.label, run.seed))
-            run_dir = out_dir / (run.setting or ".") / run.label / f"seed{run.seed}"
-            t0 = time.perf_counter()
-            result = simulate(run.config, run_dir, progress=False, parent_run_id=parent_id)
-            rows.append(_final_row(run, result, time.perf_counter() - t0, run_dir))
-            histories[run.setting][run.label].append(result.history)
-            _write_table(rows, out_dir / "runs")  # finished runs survive a later failure
-            bar.update(1)
+        if suite.parallel > 1 and todo:
+            _execute_parallel(todo, suite.parallel, parent_id, keep_checkpoints, done)
+        else:
+            for index, run, run_dir in todo:
+                bar.set_postfix_str(run_name(run.setting, run.label, run.seed))
+                done(index, *execute_run(run, run_dir, parent_id, keep_checkpoints))
     except BaseException as exc:
         parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
@@ -563,6 +832,11 @@ def run_suite(
 
             ray.shutdown()
 
+    rows = [s[0] for s in slots if s is not None]
+    histories: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+    for run, slot in zip(suite.runs, slots):
+        if slot is not None and slot[1]:
+            histories[run.setting][run.label].append(slot[1])
     results = aggregate(rows)
     artifacts = _write_table(rows, out_dir / "runs") + _write_table(results, out_dir / "results")
     for setting, by_label in histories.items():
@@ -570,19 +844,23 @@ def run_suite(
         artifacts.append(
             plot_compare(mean_curves(by_label, PERSONAL), out_dir / name, ylabel=PERSONAL)
         )
-    table = format_results(suite, results, time.perf_counter() - start)
+    failed = [r for r in rows if r["status"] != "FINISHED"]
+    table = format_results(suite, results, time.perf_counter() - start, failed)
     (out_dir / "table.txt").write_text(table + "\n")
     artifacts.append(out_dir / "table.txt")
     for agg in results:
         prefix = f"{agg['setting'] + '/' if agg['setting'] else ''}{agg['label']}/"
+        suffix = mean_col("")
         accs = {
-            prefix + k[: -len("_mean")]: v
+            prefix + k[: -len(suffix)]: v
             for k, v in agg.items()
-            if k.endswith("/acc_mean") or (k.startswith(ARCH_PREFIX) and k.endswith("_mean"))
+            if k.endswith(suffix)
+            and v is not None
+            and (k.endswith(mean_col("/acc")) or k.startswith(ARCH_PREFIX))
         }
         parent.log_metrics(accs, step=0)
     for artifact in artifacts:
         parent.log_artifact(artifact)
-    parent.close("FINISHED")
+    parent.close("FAILED" if failed else "FINISHED")
     log.info("suite %s written to %s", suite.name, out_dir)
     return table + f"\nresults: {out_dir}"

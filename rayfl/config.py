@@ -79,7 +79,11 @@ class EngineConfig:
     fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
     clients_per_round: int | None = None  # overrides `fraction` when set
     executor: Literal["serial", "ray"] = "ray"
-    num_workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) allow
+    # Worker actors of the Ray executor, each reserving `worker_resources` (the serial executor
+    # has none and ignores it). None: enough for one wave of a round's clients,
+    # ceil(clients per round / clients_per_call), at most what the cluster holds. A `rayfl tune`
+    # trial reserves its workers up front in its placement group, so there None means one.
+    num_workers: int | None = None
     worker_resources: Resources = field(default_factory=Resources)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
@@ -125,6 +129,39 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DPConfig:
+    """Client-level DP (DP-FedAvg, McMahan et al. 2018; see `rayfl.privacy.dp`)."""
+
+    enabled: bool = False
+    clip: float = 1.0  # L2 bound on each client's update (or its statistics payload)
+    noise_multiplier: float = 1.0  # Gaussian noise std on the sum = noise_multiplier * clip
+    delta: float = 1e-5  # target delta of the reported (epsilon, delta)
+    accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's RDP or PLD accountant
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Secure aggregation (Bonawitz et al. 2017), simulated (see `rayfl.privacy.secagg`)."""
+
+    enabled: bool = False
+    frac_bits: int = 24  # fixed-point scale 2^frac_bits in the uint64 ring
+    threshold: float = 0.5  # shares needed to rebuild a secret: floor(threshold * n) + 1
+    dropout: float = 0.0  # simulated chance that a client drops after masking (seeded)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Protections of the shared payloads; algorithms do not know whether they are on."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp.enabled or self.secagg.enabled
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str
     params: Any  # the algorithm's own frozen Params dataclass instance
@@ -141,6 +178,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
 # --------------------------------------------------------------------------- ranges
@@ -197,6 +235,11 @@ RANGES: dict[str, Range] = {
     "engine.round_timeout_s": POSITIVE,
     "engine.min_replies": AT_LEAST_1,
     "engine.startup_timeout_s": POSITIVE,
+    "privacy.dp.clip": POSITIVE,
+    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
+    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
+    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
 }
 
 

@@ -95,9 +95,9 @@ def test_aggregate_golden():
         {"setting": "", "label": "b", "algorithm": "fd", "seed": 0, "personal/acc": 0.9},
     ]
     out = {r["label"]: r for r in aggregate(rows)}
-    assert out["a"]["personal/acc_mean"] == pytest.approx(0.6)
-    assert out["a"]["personal/acc_std"] == pytest.approx(np.std([0.5, 0.7], ddof=1))
-    assert out["b"]["personal/acc_std"] == 0.0 and out["b"]["seeds"] == 1
+    assert out["a"]["personal/acc [mean]"] == pytest.approx(0.6)
+    assert out["a"]["personal/acc [std]"] == pytest.approx(np.std([0.5, 0.7], ddof=1))
+    assert out["b"]["personal/acc [std]"] is None and out["b"]["seeds"] == 1
     curves = mean_curves(
         {"a": [[{"round": 1, "x": 0.2}, {"round": 2, "x": 0.4}], [{"round": 1, "x": 0.4}]]}, "x"
     )
@@ -121,14 +121,15 @@ def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
     for r in results:
         assert (
             r["seeds"] == 2
-            and 0.0 <= r["personal/acc_mean"] <= 1.0
-            and r["personal/acc_std"] >= 0.0
+            and 0.0 <= r["personal/acc [mean]"] <= 1.0
+            and r["personal/acc [std]"] >= 0.0
         )
-        assert r["comm/mb_per_round_mean"] >= 0.0 and r["time/wall_s_mean"] > 0.0
-    assert results[0]["comm/mb_per_round_mean"] == 0.0  # local shares nothing
-    assert results[1]["comm/mb_per_round_mean"] > 0.0
+        assert r["comm/mb_per_round [mean]"] >= 0.0 and r["time/wall_s [mean]"] > 0.0
+    assert results[0]["comm/mb_per_round [mean]"] == 0.0  # local shares nothing
+    assert results[1]["comm/mb_per_round [mean]"] > 0.0
     header = (out / "results.csv").read_text().splitlines()[0]
-    assert '"personal/acc_mean"' in header and '"personal/acc_std"' in header
+    assert '"personal/acc [mean]"' in header and '"personal/acc [std]"' in header
+    assert "_mean_mean" not in header and "_mean_std" not in header
     runs = pq.read_table(out / "runs.parquet").to_pylist()
     assert sorted((r["label"], r["seed"]) for r in runs) == [
         ("local", 0),

@@ -3,6 +3,7 @@
 from rayfl.algorithms import (  # noqa: F401  (registration)
     fd,
     fedavg,
+    feddf,
     fedfd,
     fedgh,
     fedkd,

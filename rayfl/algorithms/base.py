@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayfl.config import TrainConfig
 from rayfl.models import build_model
+from rayfl.models.base import SplitModel
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -44,18 +46,11 @@ class RoundContext:
         return self.index / self.total
 
 
-@dataclass(frozen=True)
-class TrainSettings:
-    """The engine's minibatch-loop settings, as a client half sees them."""
-
-    local_epochs: int = 1
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"
-    grad_clip: float | None = None
-    eval_batch_size: int = 512
+# One training-settings type for the whole package: the `train:` section of a run config. It
+# lives in `rayfl.config` (plain dataclasses, no torch) so that loading and validating a config
+# stays cheap; the algorithms may import it since `rayfl.config` imports neither Ray, MLflow nor
+# the engine. `TrainSettings` is the name it had here, kept for code written against it.
+TrainSettings = TrainConfig
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class ClientContext:
     in_shape: tuple[int, ...]
     num_classes: int
     device: torch.device
-    train: TrainSettings
+    train: TrainConfig
     family_archs: tuple[str, ...] = ()
 
 
@@ -79,7 +74,7 @@ class ServerContext:
     in_shape: tuple[int, ...]
     num_classes: int
     device: torch.device
-    train: TrainSettings
+    train: TrainConfig
     seed: int
     num_clients: int
 
@@ -204,8 +199,12 @@ class ModelClient(Client[P]):
 
     def __init__(self, ctx: ClientContext, params: P) -> None:
         super().__init__(ctx, params)
-        self.model = build_model(ctx.arch, ctx.in_shape, ctx.num_classes)
+        self.model = self.make_model()
         self.persistent = {"model": self.model}
+
+    def make_model(self) -> SplitModel:
+        """The personal model (default: the registered architecture `ctx.arch`)."""
+        return build_model(self.ctx.arch, self.ctx.in_shape, self.ctx.num_classes)
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(x), y)
@@ -213,6 +212,12 @@ class ModelClient(Client[P]):
 
 class Server(Generic[P]):
     """Server half: what goes down, how replies are combined, and any server-side training."""
+
+    # How `aggregate` depends on the uploads when it is a function of their SUM, which is all
+    # that secure aggregation and DP-FedAvg let through (`rayfl.privacy`): "weighted_mean"
+    # (sample-weighted average of array payloads) or "class_means" (per-class tables averaged
+    # by count). None: the server needs each upload on its own, and privacy refuses it.
+    sum_form: ClassVar[str | None] = None
 
     def __init__(self, ctx: ServerContext, params: P) -> None:
         self.ctx = ctx
@@ -253,6 +258,7 @@ class AveragingServer(Server[P]):
 
     name = "global"
     scored = True
+    sum_form = "weighted_mean"
 
     def __init__(self, ctx: ServerContext, params: P, shared: nn.Module) -> None:
         super().__init__(ctx, params)

@@ -33,11 +33,9 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
-    ModelClient,
     Payload,
     RoundContext,
     ServerContext,
-    Trainer,
 )
 from rayfl.errors import require
 from rayfl.registry import ALGORITHMS
@@ -51,12 +49,11 @@ class FDParams:
         require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
 
 
-class FDClient(ModelClient[FDParams]):
+class FDClient(protos.ClassStatsClient[FDParams]):
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
         super().__init__(ctx, params)
         self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
         self.global_counts = torch.zeros(ctx.num_classes)
-        self.stats: Payload = {}
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_logits, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
@@ -70,15 +67,8 @@ class FDClient(ModelClient[FDParams]):
             )
         return loss
 
-    def fit(self, trainer: Trainer) -> dict[str, float]:
-        metrics = trainer.run(self.training_step, [self.model])
-        # The shared statistics describe the model as trained this round.
-        self.model.eval()
-        self.stats = protos.class_means(self.model, trainer.batches("train"), self.ctx.num_classes)
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
+    def statistic(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)  # the logits
 
 
 class FDServer(protos.ClassTableServer[FDParams]):

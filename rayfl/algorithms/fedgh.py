@@ -31,8 +31,6 @@ from torch import nn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
-    ClientContext,
-    ModelClient,
     Payload,
     Reply,
     RoundContext,
@@ -59,29 +57,17 @@ class FedGHParams:
         require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
 
 
-class FedGHClient(ModelClient[FedGHParams]):
-    def __init__(self, ctx: ClientContext, params: FedGHParams) -> None:
-        super().__init__(ctx, params)
-        self.stats: Payload = {}
-
+class FedGHClient(protos.ClassStatsClient[FedGHParams]):
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.model.head, payload)
 
-    def fit(self, trainer: Trainer) -> dict[str, float]:
+    def train(self, trainer: Trainer) -> dict[str, float]:
         # A frozen header takes no gradient at all (so none accumulates on the cached instance).
         self.model.head.requires_grad_(not self.params.freeze_header)
         try:
-            metrics = trainer.run(self.training_step, [self.model])
+            return trainer.run(self.training_step, [self.model])
         finally:
             self.model.head.requires_grad_(True)
-        self.model.eval()
-        self.stats = protos.class_means(
-            self.model.features, trainer.batches("train"), self.ctx.num_classes
-        )
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
 
 
 def train_header(

@@ -24,10 +24,9 @@ Server: sample-weighted average of the mentee updates added to the global mentee
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,11 +46,10 @@ from rayfl.algorithms.base import (
     to_numpy,
 )
 from rayfl.algorithms.fml import check_shared_arch
+from rayfl.algorithms.functional import svd_compress, svd_decompress
 from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.registry import ALGORITHMS
-
-_SVD_PARTS = ("::u", "::s", "::vh")
 
 
 @dataclass(frozen=True)
@@ -80,52 +78,6 @@ def adaptive_losses(
     mentor = ce_mentor + scale * fn.kd_loss(mentor_logits, mentee_logits.detach(), T)
     mentee = ce_mentee + scale * fn.kd_loss(mentee_logits, mentor_logits.detach(), T)
     return mentor, mentee
-
-
-def energy_rank(singular_values: np.ndarray, energy: float) -> int:
-    """Fewest leading singular values whose squared sum is at least `energy` of the total (>= 1)."""
-    sq = np.square(singular_values.astype(np.float64))
-    total = sq.sum()
-    if total <= 0:
-        return 1
-    first = int(
-        np.searchsorted(np.cumsum(sq) / total, energy - 1e-12)
-    )  # cumulative share >= energy
-    return min(len(sq), first + 1)
-
-
-def svd_compress(update: Mapping[str, np.ndarray], energy: float) -> Payload:
-    """Truncated-SVD form of a state update; entries it would not shrink stay dense."""
-    out: Payload = {}
-    for key, value in update.items():
-        if value.ndim < 2 or not np.issubdtype(value.dtype, np.floating):
-            out[key] = value
-            continue
-        matrix = value.reshape(value.shape[0], -1).astype(np.float64)
-        u, s, vh = np.linalg.svd(matrix, full_matrices=False)
-        k = energy_rank(s, energy)
-        m, n = matrix.shape
-        if k * (m + n + 1) >= m * n:  # no saving: send it as it is
-            out[key] = value
-            continue
-        out[key + "::u"] = u[:, :k].astype(value.dtype)
-        out[key + "::s"] = s[:k].astype(value.dtype)
-        out[key + "::vh"] = vh[:k].reshape(k, *value.shape[1:]).astype(value.dtype)
-    return out
-
-
-def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Inverse of `svd_compress` (up to the truncation)."""
-    out: dict[str, np.ndarray] = {}
-    for key, value in payload.items():
-        if key.endswith("::u"):
-            name = key[: -len("::u")]
-            s, vh = payload[name + "::s"], payload[name + "::vh"]
-            matrix = (value * s) @ vh.reshape(len(s), -1)
-            out[name] = matrix.reshape(value.shape[0], *vh.shape[1:]).astype(value.dtype)
-        elif not key.endswith(_SVD_PARTS):
-            out[key] = np.asarray(value)
-    return out
 
 
 class FedKDClient(ModelClient[FedKDParams]):

@@ -27,11 +27,9 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
-    ModelClient,
     Payload,
     RoundContext,
     ServerContext,
-    Trainer,
 )
 from rayfl.errors import require
 from rayfl.models import build_model
@@ -46,12 +44,11 @@ class FedProtoParams:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
 
 
-class FedProtoClient(ModelClient[FedProtoParams]):
+class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
     def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
-        self.stats: Payload = {}
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
@@ -64,17 +61,6 @@ class FedProtoClient(ModelClient[FedProtoParams]):
                 features, y, self.global_protos, self.global_counts
             )
         return loss
-
-    def fit(self, trainer: Trainer) -> dict[str, float]:
-        metrics = trainer.run(self.training_step, [self.model])
-        self.model.eval()
-        self.stats = protos.class_means(
-            self.model.features, trainer.batches("train"), self.ctx.num_classes
-        )
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
 
 
 class FedProtoServer(protos.ClassTableServer[FedProtoParams]):

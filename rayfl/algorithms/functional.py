@@ -1,4 +1,5 @@
-"""Pure helpers shared by algorithms: averaging, weight caps, update clipping, EMA, KD losses.
+"""Pure helpers shared by algorithms: averaging, weight caps, update clipping, EMA, KD losses,
+truncated-SVD compression of updates.
 
 All take and return plain numpy state dicts or tensors, so each has a golden-number test.
 """
@@ -113,3 +114,54 @@ def logit_kl(a_logits: torch.Tensor, b_logits: torch.Tensor) -> torch.Tensor:
         reduction="batchmean",
         log_target=True,
     )
+
+
+# -- truncated-SVD compression of updates (FedKD; usable by any algorithm) ---------------------
+
+_SVD_PARTS = ("::u", "::s", "::vh")
+
+
+def energy_rank(singular_values: np.ndarray, energy: float) -> int:
+    """Fewest leading singular values whose squared sum is at least `energy` of the total (>= 1)."""
+    sq = np.square(singular_values.astype(np.float64))
+    total = sq.sum()
+    if total <= 0:
+        return 1
+    first = int(
+        np.searchsorted(np.cumsum(sq) / total, energy - 1e-12)
+    )  # cumulative share >= energy
+    return min(len(sq), first + 1)
+
+
+def svd_compress(update: State, energy: float) -> dict[str, np.ndarray]:
+    """Truncated-SVD form of a state update; entries it would not shrink stay dense."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in update.items():
+        if value.ndim < 2 or not np.issubdtype(value.dtype, np.floating):
+            out[key] = value
+            continue
+        matrix = value.reshape(value.shape[0], -1).astype(np.float64)
+        u, s, vh = np.linalg.svd(matrix, full_matrices=False)
+        k = energy_rank(s, energy)
+        m, n = matrix.shape
+        if k * (m + n + 1) >= m * n:  # no saving: send it as it is
+            out[key] = value
+            continue
+        out[key + "::u"] = u[:, :k].astype(value.dtype)
+        out[key + "::s"] = s[:k].astype(value.dtype)
+        out[key + "::vh"] = vh[:k].reshape(k, *value.shape[1:]).astype(value.dtype)
+    return out
+
+
+def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of `svd_compress` (up to the truncation)."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in payload.items():
+        if key.endswith("::u"):
+            name = key[: -len("::u")]
+            s, vh = payload[name + "::s"], payload[name + "::vh"]
+            matrix = (value * s) @ vh.reshape(len(s), -1)
+            out[name] = matrix.reshape(value.shape[0], *vh.shape[1:]).astype(value.dtype)
+        elif not key.endswith(_SVD_PARTS):
+            out[key] = np.asarray(value)
+    return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from rayfl.algorithms.base import (
     load_numpy,
     to_numpy,
 )
+from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
 from rayfl.models.zoo import InputProxy, ProxyExtractor
 from rayfl.registry import ALGORITHMS
@@ -48,7 +49,7 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class PFedESParams:
-    variant: Literal["kd", "input"] = "kd"
+    variant: Literal["kd", "input", "stats"] = "kd"  # stats: rayfl.algorithms.pfedes_stats
     T: float = 4.0  # distillation temperature (kd)
     alpha: float = 0.1  # weight of the proxy's KD loss (kd)
     beta: float = (
@@ -100,6 +101,12 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
 
 
 class PFedESClient(ModelClient[PFedESParams]):
+    def __new__(cls, ctx: ClientContext, params: PFedESParams) -> Any:
+        # `variant: stats` uploads statistics, not a proxy: its own halves (pfedes_stats.py).
+        if cls is PFedESClient and params.variant == "stats":
+            return PFedESStatsClient(ctx, params)
+        return super().__new__(cls)
+
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
@@ -159,6 +166,18 @@ class PFedESClient(ModelClient[PFedESParams]):
 
 
 class PFedESServer(Server[PFedESParams]):
+    sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
+
+    @staticmethod
+    def variant_class(params: PFedESParams) -> type[Server]:
+        """The server half of `params.variant` (what `rayfl.privacy` asks for its sum form)."""
+        return PFedESStatsServer if params.variant == "stats" else PFedESServer
+
+    def __new__(cls, ctx: ServerContext, params: PFedESParams) -> Any:
+        if cls is PFedESServer and params.variant == "stats":
+            return PFedESStatsServer(ctx, params)
+        return super().__new__(cls)
+
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes).to(ctx.device)
@@ -194,6 +213,6 @@ ALGORITHMS.add(
         PFedESParams,
         PFedESClient,
         PFedESServer,
-        summary="proxy feature extractor sharing (variants kd | input)",
+        summary="proxy feature extractor sharing (variants kd | input | stats)",
     ),
 )

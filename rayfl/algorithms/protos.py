@@ -16,12 +16,15 @@ import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
     Batch,
+    ClientContext,
+    ModelClient,
     P,
     Payload,
     Reply,
     RoundContext,
     Server,
     ServerContext,
+    Trainer,
 )
 
 
@@ -130,11 +133,40 @@ def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarr
     return np.concatenate(protos), np.concatenate(labels)
 
 
+class ClassStatsClient(ModelClient[P]):
+    """A client that trains its model, then uploads per-class means of `statistic(x)` over its
+    training split (FD: logits; FedProto, FedGH: features). Subclasses say how the broadcast is
+    received, what `statistic` is and, if need be, how `train` differs."""
+
+    def __init__(self, ctx: ClientContext, params: P) -> None:
+        super().__init__(ctx, params)
+        self.stats: Payload = {}
+
+    def statistic(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-sample values whose class means travel (default: the model's features)."""
+        return self.model.features(x)
+
+    def train(self, trainer: Trainer) -> dict[str, float]:
+        """Local training (default: the engine's loop over `training_step` for the model)."""
+        return trainer.run(self.training_step, [self.model])
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        metrics = self.train(trainer)
+        # The shared statistics describe the model as trained this round.
+        self.model.eval()
+        self.stats = class_means(self.statistic, trainer.batches("train"), self.ctx.num_classes)
+        return metrics
+
+    def upload(self) -> Payload:
+        return self.stats
+
+
 class ClassTableServer(Server[P]):
     """Server of per-class statistics (FD's class logits, FedProto's prototypes): it averages the
     clients' tables per class by count and broadcasts the result."""
 
     prefix = "classes"
+    sum_form = "class_means"
 
     def __init__(self, ctx: ServerContext, params: P, dim: int) -> None:
         super().__init__(ctx, params)

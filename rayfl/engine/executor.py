@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import RunConfig
+from rayfl.config import EngineConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
@@ -109,6 +109,9 @@ def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
 
 
 class SerialExecutor(Executor):
+    # The clock of the round deadline (a test replaces it by a fake one).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
         device = resolve_device(spec.device)
@@ -125,11 +128,34 @@ class SerialExecutor(Executor):
     def fit(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
     ) -> tuple[list[ClientMetrics], list[Any]]:
-        states = [self.states.get(c) for c in client_ids]
-        metrics, replies, new_states = self.runner.fit(
-            round_idx, client_ids, payloads, states, evaluate
-        )
-        self.states.update(zip(client_ids, new_states))
+        timeout = self.spec.engine.round_timeout_s
+        if timeout is None:
+            states = [self.states.get(c) for c in client_ids]
+            rows, batch, new_states = self.runner.fit(
+                round_idx, client_ids, payloads, states, evaluate
+            )
+            self.states.update(zip(client_ids, new_states))
+            return rows, [batch]
+        # With a deadline, clients train one at a time (each is seeded on its own, so the numbers
+        # are those of one call) and the ones not started when it passes are dropped, as on Ray.
+        deadline = self.clock() + timeout
+        metrics: list[ClientMetrics] = []
+        replies: list[Any] = []
+        for i, cid in enumerate(client_ids):
+            if self.clock() > deadline:
+                log.warning(
+                    "round %d: deadline engine.round_timeout_s=%s passed; %d clients dropped",
+                    round_idx,
+                    timeout,
+                    len(client_ids) - i,
+                )
+                break
+            m, r, new = self.runner.fit(
+                round_idx, [cid], payloads, [self.states.get(cid)], evaluate
+            )
+            metrics += m
+            replies += r
+            self.states[cid] = new[0]
         return metrics, [replies]
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
@@ -211,9 +237,8 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
-def plan_workers(cfg: RunConfig, per_round: int) -> int:
+def plan_workers(e: EngineConfig, per_round: int) -> int:
     """How many workers fit the cluster with `engine.worker_resources` (after the server's share)."""
-    e = cfg.engine
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
@@ -244,15 +269,12 @@ def plan_workers(cfg: RunConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
-    def __init__(
-        self, spec: RunSpec, federation: Federation, cfg: RunConfig, per_round: int
-    ) -> None:
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
-        self.cfg = cfg
-        self._started_ray = init_ray(cfg.engine.address, cfg.engine.ray_num_cpus)
-        e = cfg.engine
+        e = spec.engine
+        self._started_ray = init_ray(e.address, e.ray_num_cpus)
         try:
-            self.num_workers = plan_workers(cfg, per_round)
+            self.num_workers = plan_workers(e, spec.per_round)
             # The dataset goes into the object store once; every actor maps it zero-copy.
             self._federation_ref = ray.put(federation)
             self._worker_cls = ray.remote(ClientWorker).options(
@@ -282,7 +304,7 @@ class RayExecutor(Executor):
         log.info("Ray executor: %d workers", self.num_workers)
 
     def _wait_started(self, refs: list[Any]) -> None:
-        timeout = self.cfg.engine.startup_timeout_s
+        timeout = self.spec.engine.startup_timeout_s
         try:
             ray_get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -304,7 +326,7 @@ class RayExecutor(Executor):
 
     def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
         """Run `call` (which uses `self.server`); on a dead server restart it and run it again."""
-        retries = self.cfg.engine.max_retries
+        retries = self.spec.engine.max_retries
         for attempt in range(retries + 1):
             try:
                 return call()
@@ -337,7 +359,7 @@ class RayExecutor(Executor):
     def fit(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
     ) -> tuple[list[ClientMetrics], list[Any]]:
-        e = self.cfg.engine
+        e = self.spec.engine
         pending = deque(_batches(list(client_ids), e.clients_per_call))
         retries: dict[tuple[int, ...], int] = {}
         idle = deque(range(len(self.workers)))
@@ -473,9 +495,7 @@ class RayExecutor(Executor):
             self._started_ray = False
 
 
-def make_executor(
-    cfg: RunConfig, spec: RunSpec, federation: Federation, per_round: int
-) -> Executor:
-    if cfg.engine.executor == "serial":
+def make_executor(spec: RunSpec, federation: Federation) -> Executor:
+    if spec.engine.executor == "serial":
         return SerialExecutor(spec, federation)
-    return RayExecutor(spec, federation, cfg, per_round)
+    return RayExecutor(spec, federation)

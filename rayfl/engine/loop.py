@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfl.algorithms.base import Algorithm, TrainSettings
+from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
@@ -31,6 +31,7 @@ from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
+from rayfl.privacy import hook_for
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
     return RunSpec(
         algorithm=cfg.algorithm.name,
         params=cfg.algorithm.params,
-        train=TrainSettings(
-            local_epochs=t.local_epochs,
-            batch_size=t.batch_size,
-            lr=t.lr,
-            momentum=t.momentum,
-            weight_decay=t.weight_decay,
-            optimizer=t.optimizer,
-            grad_clip=t.grad_clip,
-            eval_batch_size=t.eval_batch_size,
-        ),
+        train=t,
         seed=cfg.seed,
         archs=tuple(archs),
         in_shape=tuple(federation.dataset.in_shape),
@@ -100,10 +92,10 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         device=e.device,
         num_threads=threads,
         server_threads=e.server_threads or max(1, os.cpu_count() or 1),
-        min_replies=e.min_replies,
-        grouped=e.grouped,
-        rounds=e.rounds,
+        engine=e,
+        per_round=clients_per_round(cfg),
         local_baseline=cfg.eval.local_baseline,
+        privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
 
@@ -192,7 +184,7 @@ class Simulation:
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(cfg, self.spec, self.federation, self.per_round)
+            self.executor = make_executor(self.spec, self.federation)
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:

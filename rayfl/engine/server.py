@@ -84,6 +84,7 @@ class ServerRunner:
         torch.manual_seed(derive_seed(spec.seed, SERVER))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
+        self._sent: dict[str, Payload] = {}
         self.data = EngineServerData(
             federation, device, spec.train.batch_size, spec.train.eval_batch_size
         )
@@ -93,6 +94,7 @@ class ServerRunner:
     ) -> tuple[dict[str, int], list[Payload]]:
         rnd = self.spec.round_context(round_idx)
         payloads = [self.server.broadcast(a, rnd) for a in archs]
+        self._sent = dict(zip(archs, payloads))  # the privacy hook decodes against it
         return {a: payload_nbytes(p) for a, p in zip(archs, payloads)}, payloads
 
     def step(
@@ -116,15 +118,19 @@ class ServerRunner:
                     round_idx,
                     r.client_id,
                 )
-        if len(valid) < self.spec.min_replies:
+        min_replies = self.spec.engine.min_replies
+        if len(valid) < min_replies:
             raise RoundFailed(
-                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={self.spec.min_replies}; "
+                f"round {round_idx}: only {len(valid)} valid replies, engine.min_replies={min_replies}; "
                 "lower train.lr or engine.min_replies"
             )
         metrics: dict[str, float] = {
             "comm/bytes_up": float(sum(payload_nbytes(r.payload) for r in replies)),
             "server/rejected": float(len(replies) - len(valid)),
         }
+        if self.spec.privacy is not None:  # unmask / noise the sum: the algorithm sees only it
+            valid, privacy_metrics = self.spec.privacy.combine(valid, round_idx, self._sent)
+            metrics.update(privacy_metrics)
         rnd = self.spec.round_context(round_idx)
         metrics.update(self.server.aggregate(valid, rnd))
         torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,8 +16,8 @@ from rayfl.algorithms.base import (
     ClientContext,
     RoundContext,
     ServerContext,
-    TrainSettings,
 )
+from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
 
@@ -32,9 +32,11 @@ def derive_seed(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class RunSpec:
+    """Everything a worker, the server and the executors need of a run: small and picklable."""
+
     algorithm: str
     params: Any
-    train: TrainSettings
+    train: TrainConfig
     seed: int
     archs: tuple[str, ...]  # architecture of each client
     in_shape: tuple[int, ...]
@@ -42,16 +44,18 @@ class RunSpec:
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int = 1  # torch threads while clients train (the same everywhere: same numbers)
     server_threads: int = 1  # torch threads for the server step (workers idle meanwhile)
-    min_replies: int = 1
-    grouped: bool = False  # train a call's clients of one architecture as one batch (torch.func)
+    # The run's engine settings (executor, resources, deadlines, retries): the executors read
+    # them here, so they need the spec alone, never the whole run config.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    per_round: int = 1  # clients sampled per round
     local_baseline: bool = (
         False  # also train a local-only shadow of each client (eval.local_baseline)
     )
-    rounds: int = 1  # engine.rounds: the schedule's length every round hook sees
+    privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
 
     def round_context(self, round_idx: int) -> RoundContext:
         """What both halves learn of the schedule in round `round_idx`."""
-        return RoundContext(index=round_idx, total=self.rounds)
+        return RoundContext(index=round_idx, total=self.engine.rounds)
 
     @property
     def algo(self) -> Algorithm:

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import Batch, Client, TrainSettings
+from rayfl.algorithms.base import Batch, Client
+from rayfl.config import TrainConfig
 from rayfl.data.datasets import ArrayDataset
 
 
@@ -18,7 +19,7 @@ def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def make_optimizer(
-    params: Iterable[nn.Parameter], settings: TrainSettings, lr: float | None = None
+    params: Iterable[nn.Parameter], settings: TrainConfig, lr: float | None = None
 ) -> torch.optim.Optimizer:
     params = list(params)
     lr = settings.lr if lr is None else lr
@@ -83,7 +84,7 @@ class LocalTrainer:
         dataset: ArrayDataset,
         train_idx: np.ndarray,
         test_idx: np.ndarray,
-        settings: TrainSettings,
+        settings: TrainConfig,
         device: torch.device,
         generator: torch.Generator,
         public: Callable[[], ArrayBatches] | None = None,

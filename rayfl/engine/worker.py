@@ -107,7 +107,7 @@ class ClientRunner:
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []
-        if self.spec.grouped:
+        if self.spec.engine.grouped:
             from rayfl.engine.grouped import fit_grouped
 
             return fit_grouped(self, round_idx, client_ids, payloads, states, evaluate)
@@ -151,6 +151,10 @@ class ClientRunner:
         train_metrics = client.fit(trainer)
         train_s = time.perf_counter() - start
         payload = client.upload()
+        if self.spec.privacy is not None:  # clip / mask before anything leaves the client
+            payload = self.spec.privacy.protect(
+                payload, payloads.get(arch, {}), round_idx, cid, trainer.num_samples
+            )
         row: ClientMetrics = {
             "client": cid,
             "arch": arch,

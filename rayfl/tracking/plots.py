@@ -27,7 +27,6 @@ from matplotlib.ticker import MaxNLocator
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFIXES = ("personal/acc", "proxy/acc", "global/acc")
 ARCH_PREFIX = "personal/acc/arch="
 
 
@@ -53,12 +52,18 @@ def series(history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, 
     return points
 
 
-def default_keys(
-    history: Sequence[Mapping[str, Any]], prefixes: Sequence[str] = DEFAULT_PREFIXES
-) -> list[str]:
-    """Return the sorted keys of ``history`` that start with one of ``prefixes``."""
+def default_keys(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The panels of a run's learning curves: personalized accuracy, its worst 10%, and each
+    server-side model's accuracy (``proxy/acc``, ``global/acc``, ...). Spreads (``_std``), plain
+    means and per-architecture keys stay out (they have their own plot)."""
     present = {k for row in history for k in row}
-    return sorted(k for k in present if k.startswith(tuple(prefixes)))
+    keys = [k for k in ("personal/acc", "personal/acc_worst10") if k in present]
+    servers = (k for k in present if k.endswith("/acc") and k.count("/") == 1)
+    return keys + sorted(k for k in servers if k != "personal/acc")
+
+
+# A reference line drawn dashed in the panel of the metric it is compared with.
+REFERENCES = {"personal/acc": ("baseline/local_acc", "local-only, same partition")}
 
 
 def _new_figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: float = 4.0) -> Figure:
@@ -85,13 +90,19 @@ def _lines(ax: Axes, named: Mapping[str, Sequence[tuple[float, float]]]) -> int:
         if not points:
             continue
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=name)
+        style = "--" if name.startswith("local-only") else "-"
+        ax.plot(xs, ys, style, marker="o" if len(xs) <= 30 else None, markersize=3, label=name)
         drawn += 1
     if drawn:
-        ax.legend(fontsize="small")
+        if drawn > 1:  # beside the axes, never over the lines
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     return drawn
+
+
+def _ylabel(key: str) -> str:
+    return "accuracy" if key.endswith(("/acc", "_worst10")) or "/acc/" in key else key
 
 
 def plot_learning_curves(
@@ -100,28 +111,42 @@ def plot_learning_curves(
     keys: Sequence[str] | None = None,
     title: str = "",
 ) -> Path:
-    """Plot metrics against rounds, one line per key.
+    """Plot metrics against rounds, one metric per panel (two panels a row).
+
+    ``personal/acc``'s panel also shows the local-only baseline (``baseline/local_acc``,
+    dashed) when the run computed it.
 
     Args:
         history: One mapping per round with ``"round"`` and metric values.
         path: Output image file; its suffix picks the format.
-        keys: Metrics to draw; default: every key starting with ``personal/acc``,
-            ``proxy/acc`` or ``global/acc`` that occurs in ``history``.
+        keys: Metrics to draw, one panel each; default: :func:`default_keys`.
         title: Figure title.
 
     Returns:
         ``path`` as a Path.
     """
-    if keys is None:
-        keys = default_keys(history)
-    fig = _new_figure()
-    ax = fig.add_subplot()
-    if not _lines(ax, {k: series(history, k) for k in keys}):
-        _no_data(ax, ", ".join(keys) or "accuracy metrics")
-    ax.set_xlabel("round")
-    ax.set_ylabel(keys[0] if len(keys) == 1 else "value")
+    keys = list(default_keys(history) if keys is None else keys)
+    ncols = min(2, max(1, len(keys)))
+    nrows = max(1, math.ceil(len(keys) / ncols))
+    fig = _new_figure(nrows, ncols, width=5.6, height=3.6)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    if not keys:
+        _no_data(axes[0], "accuracy metrics")
+        axes[0].set_xlabel("round")
+    for ax, key in zip(axes, keys):
+        named = {key: series(history, key)}
+        if key in REFERENCES:
+            ref, label = REFERENCES[key]
+            named[label] = series(history, ref)
+        if not _lines(ax, named):
+            _no_data(ax, key)
+        ax.set_title(key, fontsize="medium")
+        ax.set_xlabel("round")
+        ax.set_ylabel(_ylabel(key))
+    for ax in axes[max(1, len(keys)) :]:
+        ax.set_visible(False)
     if title:
-        ax.set_title(title)
+        fig.suptitle(title)
     return _save(fig, path)
 
 
@@ -139,6 +164,47 @@ def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path
     ax.set_xlabel("round")
     ax.set_ylabel("personalized accuracy")
     ax.set_title("accuracy per architecture")
+    return _save(fig, path)
+
+
+def plot_bars(
+    groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str, title: str = ""
+) -> Path:
+    """Grouped bars: one group per category (e.g. architecture), one bar per series (e.g.
+    algorithm, or pFedES beside the local-only baseline), the value written over each bar.
+
+    Args:
+        groups: ``{series: {category: value}}``.
+        path: Output image file.
+        ylabel: Label of the y axis.
+        title: Axes title.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    categories = sorted({c for values in groups.values() for c in values})
+    fig = _new_figure(width=max(5.0, 1.4 * len(categories) * max(1, len(groups)) ** 0.5))
+    ax = fig.add_subplot()
+    if not categories:
+        _no_data(ax, ylabel)
+        return _save(fig, path)
+    width = 0.8 / max(1, len(groups))
+    for i, (name, values) in enumerate(groups.items()):
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(categories))]
+        ys = [values.get(c, math.nan) for c in categories]
+        bars = ax.bar(xs, ys, width=width * 0.95, label=name)
+        ax.bar_label(bars, fmt="%.3f", fontsize="x-small", padding=2)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_xlabel("architecture")
+    ax.set_ylabel(ylabel)
+    finite = [v for values in groups.values() for v in values.values() if _finite(v) is not None]
+    if finite:
+        ax.set_ylim(0, min(1.0, max(finite) * 1.15) if max(finite) <= 1 else max(finite) * 1.15)
+    if len(groups) > 1:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    if title:
+        ax.set_title(title)
     return _save(fig, path)
 
 

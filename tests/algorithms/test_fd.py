@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fd import FDClient, FDParams, FDServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 
 def test_server_averages_class_logits_by_count_golden():
-    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(), 0, 2)
     server = FDServer(sctx, FDParams())
     assert not server.broadcast("tiny_a", RND)["counts"].any()  # nothing known before round one
     a = {
@@ -38,7 +38,7 @@ def test_server_averages_class_logits_by_count_golden():
 
 def test_client_loss_is_ce_plus_gamma_times_distance_to_class_logits():
     torch.manual_seed(0)
-    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FDParams(gamma=0.5))
+    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FDParams(gamma=0.5))
     table = np.array([[1.0, -1.0], [0.0, 0.0]], np.float32)
     client.receive(
         {"means": table, "counts": np.array([3.0, 0.0], np.float32)}, RND

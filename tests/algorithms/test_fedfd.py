@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import rayfl.algorithms.fedfd  # noqa: F401  (registration)
-from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainSettings, load_numpy
+from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainConfig, load_numpy
+from rayfl.algorithms.feddf import FedDFParams
 from rayfl.algorithms.fedfd import (
-    FedDFParams,
     FedFDParams,
     FedFDServer,
     LinearProjection,
@@ -54,7 +54,7 @@ def server_ctx(archs: tuple[str, ...]) -> ServerContext:
         in_shape=IN_SHAPE,
         num_classes=10,
         device=torch.device("cpu"),
-        train=TrainSettings(batch_size=8),
+        train=TrainConfig(batch_size=8),
         seed=0,
         num_clients=len(archs),
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fedgh import FedGHClient, FedGHParams, FedGHServer, train_header
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
@@ -32,9 +32,7 @@ def test_train_header_one_sgd_step_golden():
 
 
 def test_server_trains_on_the_round_prototypes_and_broadcasts_the_header():
-    sctx = ServerContext(
-        ("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(batch_size=4), 0, 2
-    )
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(batch_size=4), 0, 2)
     server = FedGHServer(sctx, FedGHParams(server_epochs=50, server_lr=0.5))
     means = np.zeros((2, 16), np.float32)
     means[0, 0], means[1, 1] = 1.0, 1.0
@@ -59,7 +57,7 @@ def test_frozen_header_client_keeps_the_global_header(synthetic_raw, tmp_path):
     result = Simulation(build_config(raw), tmp_path).run()
     assert np.isfinite(result.final["personal/acc"]) and "fedgh/header_loss" in result.final
     client = FedGHClient(
-        ClientContext("tiny_a", SHAPE, 10, CPU, TrainSettings()), FedGHParams(freeze_header=True)
+        ClientContext("tiny_a", SHAPE, 10, CPU, TrainConfig()), FedGHParams(freeze_header=True)
     )
     head = {"weight": np.full((10, 16), 0.1, np.float32), "bias": np.arange(10, dtype=np.float32)}
     client.receive(head, RND)

@@ -11,7 +11,7 @@ from rayfl.algorithms.base import (
     Reply,
     RoundContext,
     ServerContext,
-    TrainSettings,
+    TrainConfig,
     payload_nbytes,
 )
 from rayfl.algorithms.fedkd import (
@@ -19,10 +19,8 @@ from rayfl.algorithms.fedkd import (
     FedKDParams,
     FedKDServer,
     adaptive_losses,
-    energy_rank,
-    svd_compress,
-    svd_decompress,
 )
+from rayfl.algorithms.functional import energy_rank, svd_compress, svd_decompress
 from rayfl.errors import ConfigError
 
 RND = RoundContext(1, 2)  # round 1 of 2
@@ -80,7 +78,7 @@ def test_svd_round_trip_of_a_conv_shaped_low_rank_update():
 
 def test_server_adds_the_averaged_updates():
     params = FedKDParams(mentee="tiny_a", svd_energy=0.99)
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainConfig(), 0, 2)
     server = FedKDServer(sctx, params)
     start = server.broadcast("tiny_b", RND)
     ones = {k: np.ones_like(v) for k, v in start.items()}
@@ -96,8 +94,8 @@ def test_server_adds_the_averaged_updates():
 def test_client_uploads_its_mentee_update():
     torch.manual_seed(0)
     params = FedKDParams(mentee="tiny_a")
-    client = FedKDClient(ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings()), params)
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 1)
+    client = FedKDClient(ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig()), params)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 1}, SHAPE, 3, CPU, TrainConfig(), 0, 1)
     client.receive(FedKDServer(sctx, params).broadcast("tiny_b", RND), RND)
     assert all(not v.any() for v in client.upload().values())  # nothing trained yet: zero update
     with torch.no_grad():

@@ -44,14 +44,14 @@ def test_rounds_communicate_then_digest(synthetic_raw, tmp_path):
 
 
 def test_digest_moves_the_public_scores_to_the_consensus():
-    from rayfl.algorithms.base import ClientContext, TrainSettings
+    from rayfl.algorithms.base import ClientContext, TrainConfig
     from rayfl.algorithms.fedmd import FedMDClient
     from rayfl.data.datasets import load_dataset
     from rayfl.engine.training import ArrayBatches, LocalTrainer
 
     torch.manual_seed(0)
     ds = load_dataset("synthetic", num_samples=200, num_test=20, shape=(1, 8, 8), num_classes=3)
-    settings = TrainSettings(local_epochs=0, batch_size=10, lr=0.05)
+    settings = TrainConfig(local_epochs=0, batch_size=10, lr=0.05)
     client = FedMDClient(
         ClientContext("tiny_a", (1, 8, 8), 3, torch.device("cpu"), settings),
         FedMDParams(public_samples=20, digest_epochs=30, digest_loss="mse"),

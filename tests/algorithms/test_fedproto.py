@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams, FedProtoServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 def test_loss_golden_with_hand_set_features():
     client = FedProtoClient(
-        ClientContext("tiny_a", SHAPE, 2, CPU, TrainSettings()), FedProtoParams(lam=2.0)
+        ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FedProtoParams(lam=2.0)
     )
     with torch.no_grad():  # features = relu(x_flat[:16]), head = zero map
         client.model.encoder[1].weight.copy_(torch.eye(16, 64))
@@ -38,7 +38,7 @@ def test_loss_golden_with_hand_set_features():
 
 
 def test_server_prototypes_are_count_weighted():
-    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(), 0, 2)
     server = FedProtoServer(sctx, FedProtoParams())
     assert server.broadcast("tiny_a", RND)["means"].shape == (2, 16)
     a = {"means": np.full((2, 16), 1.0, np.float32), "counts": np.array([1.0, 1.0], np.float32)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import ClientContext, RoundContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, RoundContext, TrainConfig
 from rayfl.algorithms.fedavg import FedAvgServer
 from rayfl.algorithms.fedprox import FedProxClient, FedProxParams, proximal_term
 from rayfl.config import build_config
@@ -34,7 +34,7 @@ def test_proximal_term_golden():
 
 def test_client_step_is_ce_plus_the_proximal_term():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainSettings())
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainConfig())
     client = FedProxClient(ctx, FedProxParams(mu=2.0))
     client.receive({k: v.numpy().copy() for k, v in client.model.state_dict().items()}, RND)
     x, y = torch.randn(4, *SHAPE), torch.tensor([0, 1, 2, 0])
@@ -64,7 +64,7 @@ class DecayingProxClient(FedProxClient):
 
 def test_a_decaying_mu_schedule_can_be_written_with_the_round_context():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainSettings())
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainConfig())
     client = DecayingProxClient(ctx, FedProxParams(mu=2.0))
     start = {k: v.numpy().copy() for k, v in client.model.state_dict().items()}
     x, y = torch.randn(4, *SHAPE), torch.tensor([0, 1, 2, 0])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses
 from rayfl.errors import ConfigError
 
@@ -41,11 +41,11 @@ def test_each_loss_trains_only_its_own_model():
 
 def test_client_shares_the_meme_and_server_averages_it():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
+    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig())
     params = FMLParams(meme="tiny_a")
     client = FMLClient(ctx, params)
     assert set(client.persistent) == {"model"}
-    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainSettings(), 0, 2)
+    sctx = ServerContext(("tiny_b",), {"tiny_b": 2}, SHAPE, 3, CPU, TrainConfig(), 0, 2)
     server = FMLServer(sctx, params)
     down = server.broadcast("tiny_b", RND)
     client.receive(down, RND)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rayfl.algorithms.heterofl  # noqa: F401  (registration)
-from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainSettings, to_numpy
+from rayfl.algorithms.base import Reply, RoundContext, ServerContext, TrainConfig, to_numpy
 from rayfl.algorithms.heterofl import (
     HeteroFLParams,
     HeteroFLServer,
@@ -43,7 +43,7 @@ def server_ctx(archs: tuple[str, ...] = ARCHS) -> ServerContext:
         in_shape=IN_SHAPE,
         num_classes=10,
         device=torch.device("cpu"),
-        train=TrainSettings(),
+        train=TrainConfig(),
         seed=0,
         num_clients=len(archs),
     )

@@ -9,7 +9,7 @@ from rayfl.algorithms.base import (
     Reply,
     RoundContext,
     ServerContext,
-    TrainSettings,
+    TrainConfig,
 )
 from rayfl.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgServer
 from rayfl.registry import ALGORITHMS
@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 def make_server() -> LGFedAvgServer:
     ctx = ServerContext(
-        ("tiny_a", "tiny_b"), {"tiny_a": 1, "tiny_b": 1}, SHAPE, 3, CPU, TrainSettings(), 0, 2
+        ("tiny_a", "tiny_b"), {"tiny_a": 1, "tiny_b": 1}, SHAPE, 3, CPU, TrainConfig(), 0, 2
     )
     return LGFedAvgServer(ctx, NoParams())
 
@@ -40,7 +40,7 @@ def test_server_averages_heads_by_samples_golden():
 
 def test_client_receives_and_uploads_only_the_head():
     torch.manual_seed(0)
-    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainSettings())
+    ctx = ClientContext("tiny_b", SHAPE, 3, CPU, TrainConfig())
     client = LGFedAvgClient(ctx, NoParams())
     encoder_before = {k: v.clone() for k, v in client.model.encoder.state_dict().items()}
     payload = {

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.pfedes import PFedESClient, PFedESParams, PFedESServer
 from rayfl.errors import ConfigError
 
@@ -11,13 +11,13 @@ SHAPE = (1, 8, 8)
 
 
 def client(**kw):
-    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainSettings())
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainConfig())
     return PFedESClient(ctx, PFedESParams(**kw))
 
 
 def server(**kw):
     ctx = ServerContext(
-        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, torch.device("cpu"), TrainSettings(), 0, 2
+        ("tiny_a",), {"tiny_a": 2}, SHAPE, 3, torch.device("cpu"), TrainConfig(), 0, 2
     )
     return PFedESServer(ctx, PFedESParams(**kw))
 
@@ -94,7 +94,7 @@ def test_input_variant_trains_two_stages():
         ds,
         np.arange(100),
         np.arange(100, 120),
-        TrainSettings(batch_size=20),
+        TrainConfig(batch_size=20),
         torch.device("cpu"),
         torch.Generator().manual_seed(0),
     )

@@ -176,7 +176,11 @@ def test_steps_that_cannot_be_grouped_fall_back_with_the_loops_numbers(
     algo = Algorithm("test", NoParams, cls, Server)
     out = []
     for on in (False, True):
-        runner = ClientRunner(dataclasses.replace(spec, grouped=on), fed, torch.device("cpu"))
+        runner = ClientRunner(
+            dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, grouped=on)),
+            fed,
+            torch.device("cpu"),
+        )
         runner._algo = algo
         grouped._warned.clear()
         grouped.COUNTS.clear()

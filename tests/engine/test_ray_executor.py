@@ -40,7 +40,7 @@ def executor(raw, overrides):
     cfg = build_config(raw, overrides)
     fed = prepare_federation(cfg)
     archs = family_from_config(cfg.model.family).assign(cfg.data.num_clients)
-    return RayExecutor(make_spec(cfg, archs, fed), fed, cfg, per_round=cfg.data.num_clients), archs
+    return RayExecutor(make_spec(cfg, archs, fed), fed), archs
 
 
 def test_four_workers_share_one_gpu(ray_local, synthetic_raw):

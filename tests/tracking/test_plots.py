@@ -35,14 +35,26 @@ def test_series_skips_missing_and_nonfinite_points() -> None:
     assert plots.series([{"a": 1.0}, {"a": True}, {"a": 2}], "a") == [(0.0, 1.0), (2.0, 2.0)]
 
 
-def test_default_keys_are_the_accuracy_families() -> None:
-    assert plots.default_keys(HISTORY) == [
-        "global/acc",
+def test_default_keys_are_one_accuracy_per_panel() -> None:
+    history = [*HISTORY, {"round": 5, "personal/acc_std": 0.1, "personal/acc_worst10": 0.2}]
+    # no std, no mean, no per-architecture keys: those are not learning curves of their own
+    assert plots.default_keys(history) == [
         "personal/acc",
-        "personal/acc/arch=cnn1",
-        "personal/acc/arch=cnn2",
+        "personal/acc_worst10",
+        "global/acc",
         "proxy/acc",
     ]
+
+
+def test_learning_curves_one_metric_per_panel(tmp_path) -> None:
+    history = [
+        {"round": r, "personal/acc": 0.5 + r / 20, "baseline/local_acc": 0.5, "proxy/acc": 0.1}
+        for r in (1, 2, 3)
+    ]
+    svg = plots.plot_learning_curves(history, tmp_path / "c.svg").read_text()
+    assert svg.count('id="axes_') == 2  # two panels: personal/acc, proxy/acc
+    assert "local-only" in svg and "round" in svg  # reference line in the legend, x label
+    assert "accuracy" in svg  # y axis labelled
 
 
 def test_learning_curves_and_per_architecture_write_pngs(tmp_path) -> None:

@@ -1,0 +1,283 @@
+"""The one engine hook: a client's upload is protected on the worker (`protect`: clip, encode,
+mask), the round's protected uploads are combined on the server (`combine`: unmask the sum, add
+noise, decode) into ONE reply that the algorithm's `aggregate` takes as if it were the only
+client. Algorithms do not know whether privacy is on; they only declare, through
+`Server.sum_form`, how their aggregate depends on the sum of the uploads:
+
+- `weighted_mean`: a sample-weighted average of array payloads (FedAvg/FedProx/FML/LG-FedAvg,
+  pFedES proxy). Without DP the client contributes `n_k * payload` and `n_k`, so the sum decodes to
+  exactly the algorithm's weighted average. With DP it contributes its *update* (upload minus the
+  broadcast it received), clipped, with weight 1; the server adds noise to the sum, divides by the
+  number of contributions and adds the mean update back to the broadcast.
+- `class_means`: per-class statistics `{"means": (C, D), "counts": (C,)}` averaged per class by
+  count (FD, FedProto, pFedES `stats`). Without DP the client contributes `counts * means` and
+  `counts`. With DP there is no broadcast counterpart to subtract (the statistics are not a
+  model), so the contribution is the payload itself: its per-class means and a 0/1 presence
+  indicator (equal weight per client and class), clipped jointly; noisy presence sums below 0.5
+  mark a class as unseen.
+
+Integer entries (BatchNorm's step counter) are neither protected nor averaged: the server keeps
+the broadcast's value. Anything else (nested dicts, per-client server logic) is refused by
+`check_fits` before a run starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayfl.algorithms.base import Algorithm, Payload, Reply
+from rayfl.config import PrivacyConfig, RunConfig, clients_per_round
+from rayfl.errors import ConfigError, UserError
+from rayfl.privacy import dp, secagg
+
+log = logging.getLogger(__name__)
+
+FORMS = ("weighted_mean", "class_means")
+MASKED = "secagg/masked"  # the one key of a masked upload
+PLAIN = "privacy/vector"  # the one key of a clipped but unmasked upload (DP without SecAgg)
+PRIVACY = 5  # purpose tag of the privacy random streams (beside rayfl.engine.spec's tags)
+# Server options that act on each client's upload separately, which protections hide.
+PER_CLIENT_OPTIONS = ("weight_cap", "clip_update")
+
+
+def sum_form(algo: Algorithm, params: Any) -> str | None:
+    """The algorithm's `Server.sum_form`; a server whose class depends on its params (pFedES
+    variants) names it through a `variant_class(params)` static method."""
+    server = algo.server
+    variant_class = getattr(server, "variant_class", None)
+    if variant_class is not None:
+        server = variant_class(params)
+    return getattr(server, "sum_form", None)
+
+
+def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
+    """Refuse, in one line, an algorithm whose aggregate is not a function of the uploads' sum."""
+    if not cfg.enabled:
+        return
+    form = sum_form(algo, params)
+    on = "privacy.dp" if cfg.dp.enabled else "privacy.secagg"
+    if form not in FORMS:
+        raise ConfigError(
+            f"{on} cannot protect algorithm.name={algo.name}: its server needs each client's upload "
+            "on its own (not only their sum); turn privacy off or pick an algorithm that averages "
+            "its payloads (fedavg, fedprox, fml, lg_fedavg, pfedes, fd, fedproto)"
+        )
+    for key in PER_CLIENT_OPTIONS:
+        if getattr(params, key, None) is not None:
+            raise ConfigError(
+                f"algorithm.{key} acts on each client's upload, which {on} hides from the server; "
+                f"set algorithm.{key}=null (privacy.dp.clip bounds each update instead)"
+            )
+
+
+def hook_for(algo: Algorithm, cfg: RunConfig) -> PrivacyHook | None:
+    """The run's privacy hook, or None when no protection is on."""
+    if not cfg.privacy.enabled:
+        return None
+    check_fits(algo, cfg.privacy, cfg.algorithm.params)
+    form = sum_form(algo, cfg.algorithm.params)
+    assert form is not None
+    return PrivacyHook(cfg.privacy, form, cfg.seed, cfg.data.num_clients, clients_per_round(cfg))
+
+
+def derive(*parts: int) -> int:
+    from rayfl.engine.spec import derive_seed
+
+    return derive_seed(*parts)
+
+
+class Layout:
+    """The float entries of a payload (sorted keys, shapes) and their flat concatenation."""
+
+    def __init__(self, template: Mapping[str, np.ndarray]) -> None:
+        self.keys = sorted(
+            k
+            for k, v in template.items()
+            if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating)
+        )
+        bad = [k for k, v in template.items() if not isinstance(v, np.ndarray)]
+        if bad:
+            raise UserError(
+                f"privacy: payload entry {bad[0]!r} is not an array (nested payloads cannot be "
+                "protected); turn privacy off for this algorithm"
+            )
+        self.shapes = {k: tuple(template[k].shape) for k in self.keys}
+        self.dtypes = {k: template[k].dtype for k in self.keys}
+        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
+
+    def flatten(self, payload: Mapping[str, np.ndarray]) -> np.ndarray:
+        for k in self.keys:
+            if k not in payload or tuple(payload[k].shape) != self.shapes[k]:
+                raise UserError(
+                    f"privacy: the upload's entry {k!r} does not match the broadcast's shape "
+                    f"{self.shapes[k]}; this algorithm's payload cannot be protected"
+                )
+        if not self.keys:
+            return np.zeros(0)
+        return np.concatenate([np.asarray(payload[k], dtype=np.float64).ravel() for k in self.keys])
+
+    def unflatten(self, vec: np.ndarray) -> dict[str, np.ndarray]:
+        out, pos = {}, 0
+        for k in self.keys:
+            n = int(np.prod(self.shapes[k]))
+            out[k] = vec[pos : pos + n].reshape(self.shapes[k]).astype(self.dtypes[k])
+            pos += n
+        return out
+
+
+class PrivacyHook:
+    """Both halves of the privacy layer for one run (picklable; built from the run spec).
+
+    Args:
+        cfg: the `privacy` config section.
+        form: the algorithm's `Server.sum_form`.
+        seed: the run seed (masks, dropout and noise derive from it, the round and the client).
+        num_clients: clients in the federation.
+        per_round: clients sampled per round (the SecAgg participants; q = per_round / num_clients).
+    """
+
+    def __init__(
+        self, cfg: PrivacyConfig, form: str, seed: int, num_clients: int, per_round: int
+    ) -> None:
+        self.cfg = cfg
+        self.form = form
+        self.seed = seed
+        self.num_clients = num_clients
+        self.per_round = per_round
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.per_round / self.num_clients
+
+    def participants(self, round_idx: int) -> list[int]:
+        from rayfl.engine.sampling import sample_clients
+
+        return sample_clients(self.seed, round_idx, self.num_clients, self.per_round)
+
+    def _secagg(self, round_idx: int) -> secagg.SecAggRound:
+        return secagg.SecAggRound(
+            self.seed, round_idx, self.participants(round_idx), self.cfg.secagg.threshold
+        )
+
+    # -- encoding ------------------------------------------------------------------------------
+    def contribution(
+        self, payload: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray], weight: float
+    ) -> tuple[np.ndarray, float]:
+        """The client's plaintext vector (what is summed) and its pre-clip norm (nan without DP)."""
+        if self.form == "weighted_mean":
+            layout = Layout(received)
+            x = layout.flatten(payload)
+            if self.cfg.dp.enabled:
+                clipped, norm = dp.l2_clip(x - layout.flatten(received), self.cfg.dp.clip)
+                return clipped, norm
+            return np.concatenate([weight * x, [weight]]), math.nan
+        means = np.asarray(payload["means"], dtype=np.float64)
+        counts = np.asarray(payload["counts"], dtype=np.float64)
+        if self.cfg.dp.enabled:
+            present = (counts > 0).astype(np.float64)
+            vec = np.concatenate([(present[:, None] * means).ravel(), present])
+            clipped, norm = dp.l2_clip(vec, self.cfg.dp.clip)
+            return clipped, norm
+        return np.concatenate([(counts[:, None] * means).ravel(), counts]), math.nan
+
+    def decode(
+        self, total: np.ndarray, contributors: int, sent: Mapping[str, np.ndarray]
+    ) -> tuple[Payload, int]:
+        """The summed vector -> the payload the algorithm's aggregate takes, and its weight."""
+        if self.form == "weighted_mean":
+            layout = Layout(sent)
+            ints = {k: np.array(v) for k, v in sent.items() if k not in layout.keys}
+            if self.cfg.dp.enabled:
+                mean_update = total / max(1, contributors)
+                out = layout.unflatten(layout.flatten(sent) + mean_update)
+                return {**ints, **out}, contributors
+            weight = float(total[-1])
+            out = layout.unflatten(total[:-1] / weight)
+            return {**ints, **out}, max(1, int(round(weight)))
+        num_classes = len(sent["counts"])
+        sums = total[:-num_classes].reshape(num_classes, -1)
+        raw = total[-num_classes:]
+        # With DP the summed presence is noisy: a class counts as seen from 0.5 clients on.
+        known = raw >= (0.5 if self.cfg.dp.enabled else 1e-9)
+        means = np.where(known[:, None], sums / np.where(known, raw, 1.0)[:, None], 0.0)
+        counts = np.where(known, np.maximum(1.0, np.rint(raw)), 0.0) if self.cfg.dp.enabled else raw
+        payload = {"means": means.astype(np.float32), "counts": counts.astype(np.float32)}
+        return payload, max(1, contributors)
+
+    # -- worker side ---------------------------------------------------------------------------
+    def protect(
+        self,
+        payload: Payload,
+        received: Payload,
+        round_idx: int,
+        client_id: int,
+        num_samples: int,
+    ) -> Payload:
+        """What the client actually sends: its clipped contribution, masked under SecAgg.
+
+        An empty dict means the client dropped out after masking (simulated, or a non-finite
+        contribution that a real client would not send).
+        """
+        vec, _ = self.contribution(payload, received, float(num_samples))
+        if not np.isfinite(vec).all():
+            log.warning(
+                "round %d: client %d has a non-finite upload; it drops out", round_idx, client_id
+            )
+            return {}
+        if not self.cfg.secagg.enabled:
+            return {PLAIN: vec.astype(np.float32)}  # what a float upload would cost
+        sa = self.cfg.secagg
+        ring = secagg.encode(vec, sa.frac_bits, self.per_round)
+        masked = self._secagg(round_idx).mask(client_id, ring)
+        rng = np.random.default_rng(derive(self.seed, round_idx, client_id, PRIVACY))
+        if sa.dropout > 0 and rng.random() < sa.dropout:
+            return {}  # lost after masking: the server must recover
+        return {MASKED: masked}
+
+    # -- server side ---------------------------------------------------------------------------
+    def combine(
+        self, replies: Sequence[Reply], round_idx: int, sent: Mapping[str, Payload]
+    ) -> tuple[list[Reply], dict[str, float]]:
+        """Unmask and noise the round's sum; one reply standing for all clients, and metrics."""
+        first = replies[0]
+        base = sent.get(first.arch) or next(iter(sent.values()))
+        arrived = [r for r in replies if r.payload]
+        metrics: dict[str, float] = {
+            "privacy/dropped": float(len(self.participants(round_idx)) - len(arrived))
+        }
+        if self.cfg.secagg.enabled:
+            size = self._size(base)
+            ring = self._secagg(round_idx).unmask(
+                {r.client_id: r.payload[MASKED] for r in arrived}, size
+            )
+            total = secagg.decode(ring, self.cfg.secagg.frac_bits)
+        else:
+            if not arrived:
+                raise UserError(f"privacy: round {round_idx} has no upload to aggregate")
+            total = np.sum(
+                [np.asarray(r.payload[PLAIN], dtype=np.float64) for r in arrived], axis=0
+            )
+        if self.cfg.dp.enabled:
+            d = self.cfg.dp
+            total = total + dp.gaussian_noise(
+                total.size, d.noise_multiplier * d.clip, derive(self.seed, round_idx, PRIVACY)
+            )
+            metrics["privacy/epsilon"] = dp.epsilon(
+                d.noise_multiplier, self.sampling_rate, round_idx, d.delta, d.accountant
+            )
+        payload, weight = self.decode(total, len(arrived), base)
+        combined = Reply(-1, first.arch, weight, payload)
+        return [combined], metrics
+
+    def _size(self, sent: Mapping[str, np.ndarray]) -> int:
+        """Length of a contribution vector (and of the masked upload) for this broadcast."""
+        if self.form == "weighted_mean":
+            n = Layout(sent).size
+            return n if self.cfg.dp.enabled else n + 1
+        c = len(sent["counts"])
+        return int(np.asarray(sent["means"]).size) + c

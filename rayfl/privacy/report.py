@@ -1,0 +1,129 @@
+"""The privacy-utility report: personalized accuracy against epsilon for the DP sweep's trials,
+beside reference runs (no protection, SecAgg, statistics-only upload), as a plot and a Markdown
+table. Reads run directories' `summary.json` (what every run writes), so it needs no MLflow.
+
+    python -m rayfl.privacy.report runs/sweeps/pfedes_privacy/trials \\
+        --ref plain=runs/privacy/plain --ref secagg=runs/privacy/secagg \\
+        --out docs/figures/privacy_acc_vs_epsilon.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ACC = "personal/acc"
+EPS = "privacy/epsilon"
+
+
+def read_run(run_dir: Path) -> dict[str, Any] | None:
+    """`{noise, alpha, clip, variant, acc, epsilon, rounds}` of a finished run, or None."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    cfg, final = summary["config"], summary["final"]
+    dp = cfg.get("privacy", {}).get("dp", {})
+    return {
+        "run": run_dir.name,
+        "variant": cfg["algorithm"].get("variant", "-"),
+        "alpha": cfg["algorithm"].get("alpha"),
+        "noise": dp.get("noise_multiplier") if dp.get("enabled") else None,
+        "clip": dp.get("clip") if dp.get("enabled") else None,
+        "secagg": bool(cfg.get("privacy", {}).get("secagg", {}).get("enabled")),
+        "acc": final.get(ACC),
+        "epsilon": final.get(EPS, math.inf),
+        "rounds": summary["rounds"],
+        "status": summary["status"],
+    }
+
+
+def markdown(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| run | protection | alpha | noise multiplier | epsilon | personal/acc |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in refs.items():
+        lines.append(
+            f"| {label} | {_protection(r)} | {r['alpha']} | - | "
+            f"{_num(r['epsilon'])} | {_num(r['acc'])} |"
+        )
+    for r in sorted(trials, key=lambda r: (r["alpha"], r["noise"] or 0)):
+        lines.append(
+            f"| {r['run']} | {_protection(r)} | {r['alpha']} | {r['noise']} | "
+            f"{_num(r['epsilon'])} | {_num(r['acc'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _protection(r: dict[str, Any]) -> str:
+    parts = []
+    if r["noise"] is not None:
+        parts.append(f"DP (clip {r['clip']})")
+    if r["secagg"]:
+        parts.append("SecAgg")
+    if r["variant"] == "stats":
+        parts.append("stats-only upload")
+    return " + ".join(parts) or "none"
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    return "inf" if isinstance(v, float) and math.isinf(v) else f"{float(v):.4f}"
+
+
+def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for alpha in sorted({r["alpha"] for r in trials}):
+        pts = sorted(
+            (r["epsilon"], r["acc"]) for r in trials if r["alpha"] == alpha and r["acc"] is not None
+        )
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=f"DP-FedAvg, alpha={alpha}")
+    styles = iter(["--", ":", "-.", (0, (5, 1))])
+    for label, r in refs.items():
+        if r["acc"] is not None:
+            ax.axhline(r["acc"], linestyle=next(styles, "--"), color="gray", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon (client-level, at the run's delta)")
+    ax.set_ylabel(ACC)
+    ax.set_title("pFedES: personalized accuracy vs privacy budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("trials", type=Path, help="folder of the sweep's trial run directories")
+    parser.add_argument("--ref", action="append", default=[], help="label=run_dir (repeatable)")
+    parser.add_argument("--out", type=Path, required=True, help="the plot (PNG)")
+    args = parser.parse_args(argv)
+    trials = [r for d in sorted(args.trials.iterdir()) if (r := read_run(d)) is not None]
+    refs: dict[str, dict[str, Any]] = {}
+    for item in args.ref:
+        label, _, path = item.partition("=")
+        run = read_run(Path(path))
+        if run is not None:
+            refs[label] = run
+    plot(trials, refs, args.out)
+    print(markdown(trials, refs))  # noqa: T201 (a command-line report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

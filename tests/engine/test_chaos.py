@@ -1,0 +1,186 @@
+"""Chaos: a run whose driver (`rayfl run`, then `rayfl run --resume`), workers and server actor are
+SIGKILLed at random points, including inside checkpoint writes, ends with the numbers of an
+undisturbed run.
+
+The quick test (default suite) kills a serial driver twice; the slow one (`-m slow`) runs the Ray
+executor and kills drivers, workers and the server actor at random until the run finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from rayfl.config import build_config
+from rayfl.engine.loop import Simulation
+from tests.conftest import SYNTHETIC
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def undisturbed(overrides):
+    cfg = build_config(SYNTHETIC, [*overrides, "engine.executor=serial"])
+    return comparable(Simulation(cfg, "/tmp/unused").run().history)
+
+
+@dataclass
+class Chaos:
+    """Drives one run directory to the end through random SIGKILLs; counts what it killed."""
+
+    config: Path
+    out: Path
+    rng: random.Random
+    kills: dict[str, int] = field(
+        default_factory=lambda: {"driver": 0, "driver_in_write": 0, "worker": 0, "server": 0}
+    )
+    launches: int = 0
+
+    def start(self, kill_at_write: int = 0) -> subprocess.Popen:
+        resume = os.path.islink(self.out / "checkpoint")
+        args = ["run", "--resume", str(self.out)] if resume else ["run", str(self.config)]
+        if not resume:
+            args += ["--out", str(self.out)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RAYFL_CHAOS_KILL_AT_WRITE=str(kill_at_write))
+        self.launches += 1
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.engine.chaos_driver", *args, "--no-progress"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def actors(self, driver: subprocess.Popen, name: str) -> list[psutil.Process]:
+        found = []
+        try:
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                try:
+                    if name in " ".join(p.cmdline()):
+                        found.append(p)
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        return found
+
+    def finish(self, driver: subprocess.Popen) -> tuple[int, str]:
+        """Wait for the driver; then end whatever it started that outlived it (by pid)."""
+        try:
+            family = psutil.Process(driver.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        _, err = driver.communicate(timeout=600)
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        return driver.returncode, err
+
+    def kill_driver(self, driver: subprocess.Popen) -> None:
+        try:
+            family = psutil.Process(driver.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        for p in family:  # the Ray it started, as a killed machine would lose it
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def run(self, max_launches: int, driver_kills: int, actor_kills: bool, window_s: float) -> None:
+        """Launch, kill at random, relaunch with --resume, until a launch finishes cleanly."""
+        for _ in range(max_launches):
+            in_write = 0
+            planned = self.launches < driver_kills
+            if planned and self.rng.random() < 0.5:
+                in_write = self.rng.randint(1, 9)  # some file of some checkpoint
+            driver = self.start(in_write)
+            deadline = time.monotonic() + (self.rng.uniform(0.3, 1.0) * window_s)
+            while driver.poll() is None:
+                time.sleep(0.2)
+                if actor_kills and self.rng.random() < 0.08:
+                    kind = self.rng.choice(["worker", "server"])
+                    name = "ClientWorker" if kind == "worker" else "ServerActor"
+                    victims = self.actors(driver, name)
+                    if victims:
+                        self.rng.choice(victims).kill()
+                        self.kills[kind] += 1
+                if planned and not in_write and time.monotonic() > deadline:
+                    self.kill_driver(driver)
+                    self.kills["driver"] += 1
+                    break
+            code, err = self.finish(driver)
+            if code == -signal.SIGKILL and in_write:
+                self.kills["driver_in_write"] += 1
+                continue
+            if code == -signal.SIGKILL:
+                continue
+            assert code == 0, err[-3000:]
+            return
+        raise AssertionError(f"no clean finish in {max_launches} launches: {self.kills}")
+
+
+def write_config(tmp_path: Path, overrides: dict) -> Path:
+    raw = yaml.safe_load(yaml.safe_dump(SYNTHETIC))
+    for section, values in overrides.items():
+        raw[section].update(values)
+    path = tmp_path / "chaos.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_quick_chaos_driver_killed_inside_a_checkpoint_write(tmp_path):
+    engine = {"rounds": 2, "executor": "serial", "checkpoint_every": 1}
+    config = write_config(tmp_path, {"engine": engine})
+    chaos = Chaos(config, tmp_path / "run", random.Random(8))
+    # round 1's checkpoint has 9 files (6 clients, server, history, manifest): the driver dies
+    # halfway through the 2nd file of round 2's
+    first = chaos.start(kill_at_write=9 + 2)
+    assert chaos.finish(first)[0] == -signal.SIGKILL
+    assert os.path.islink(tmp_path / "run" / "checkpoint")
+    second = chaos.start()  # --resume
+    code, err = chaos.finish(second)
+    assert code == 0, err[-3000:]
+    got = comparable(pq.read_table(tmp_path / "run" / "metrics.parquet").to_pylist())
+    assert got == undisturbed(["engine.rounds=2"])
+
+
+@pytest.mark.slow
+def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
+    rounds = 8
+    engine = {
+        "rounds": rounds,
+        "executor": "ray",
+        "num_workers": 2,
+        "ray_num_cpus": 2,
+        "clients_per_call": 1,
+        "checkpoint_every": 1,
+        "max_retries": 1000,
+    }
+    config = write_config(tmp_path, {"engine": engine})
+    seed = int(os.environ.get("RAYFL_CHAOS_SEED", "0"))
+    chaos = Chaos(config, tmp_path / "run", random.Random(seed))
+    chaos.run(max_launches=40, driver_kills=8, actor_kills=True, window_s=40.0)
+    got = comparable(pq.read_table(tmp_path / "run" / "metrics.parquet").to_pylist())
+    print(f"chaos seed {seed}: {chaos.launches} launches, kills {chaos.kills}")
+    (tmp_path.parent / "chaos_report.txt").write_text(
+        f"{chaos.launches} launches, kills {chaos.kills}\n"
+    )
+    assert got == undisturbed([f"engine.rounds={rounds}"])

@@ -1,0 +1,99 @@
+"""MLflow across crashes: a resume continues the same run; a fresh SQLite store opened by two
+processes at once works for both."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from rayfl.tracking.mlflow import MlflowTracker
+from tests.conftest import SYNTHETIC
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
+    from mlflow import MlflowClient
+
+    from rayfl.config import build_config
+    from rayfl.engine.rundir import read_mlflow_run
+    from rayfl.launch import simulate
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=resume"]
+    out = tmp_path / "run"
+    first = simulate(
+        build_config(SYNTHETIC, [*track, "engine.rounds=2", "engine.checkpoint_every=1"]),
+        out,
+        progress=False,
+    )
+    assert read_mlflow_run(out)["run_id"] == first.tracker_run_id
+    # a killed driver leaves its MLflow run RUNNING: the resume marks it, then continues it
+    client = MlflowClient(uri)
+    client.update_run(first.tracker_run_id, status="RUNNING")
+    again = simulate(
+        build_config(SYNTHETIC, [*track, "engine.rounds=3", "engine.checkpoint_every=1"]),
+        out,
+        progress=False,
+        resume=True,
+    )
+    assert again.tracker_run_id == first.tracker_run_id
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["rayfl.resumes"] == "1"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "personal/acc")]
+    assert steps == [1, 2, 3]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    start, uri, name = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import mlflow  # import first: the race is in opening the store
+    from rayfl.tracking.mlflow import MlflowTracker
+    time.sleep(max(0.0, start - time.time()))
+    t = MlflowTracker(experiment="race", tracking_uri=uri, run_name=name)
+    t.log_metrics({"x": 1.0}, step=1)
+    t.close()
+    print("ok", t.run_id)
+    """
+)
+
+
+def test_two_processes_creating_one_fresh_sqlite_store_both_succeed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/fresh/mlflow.db"
+    start = time.time() + 8.0  # both processes have imported mlflow by then
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(start), uri, f"p{i}"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+        assert out.startswith("ok ")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("race").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["p0", "p1"]
+
+
+def test_mark_killed_only_touches_running_runs(tmp_path):
+    from mlflow import MlflowClient
+
+    from rayfl.tracking.mlflow import mark_killed
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    alive = MlflowTracker(experiment="k", tracking_uri=uri)
+    done = MlflowTracker(experiment="k", tracking_uri=uri)
+    done.close("FINISHED")
+    assert mark_killed(alive.run_id, uri) and not mark_killed(done.run_id, uri)
+    client = MlflowClient(uri)
+    assert client.get_run(alive.run_id).info.status == "KILLED"
+    assert client.get_run(done.run_id).info.status == "FINISHED"
