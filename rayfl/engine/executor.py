@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import ray
@@ -25,6 +25,7 @@ from rayfl.config import EngineConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
+from rayfl.engine.startup import StartupClock
 from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
 from rayfl.errors import UserError
 
@@ -269,38 +270,65 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
+    """Workers, server and evaluation actor on Ray. Built in two steps so that start-up overlaps
+    (`rayfl.engine.startup.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
+    `attach` (dataset put once, spec and data to every actor)."""
+
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
-        self.spec = spec
-        e = spec.engine
-        self._started_ray = init_ray(e.address, e.ray_num_cpus)
-        try:
-            self.num_workers = plan_workers(e, spec.per_round)
-            # The dataset goes into the object store once; every actor maps it zero-copy.
-            self._federation_ref = ray.put(federation)
-            self._worker_cls = ray.remote(ClientWorker).options(
-                num_cpus=e.worker_resources.num_cpus,
-                num_gpus=e.worker_resources.num_gpus,
-                max_restarts=0,
-            )
-            self.workers = [self._new_worker() for _ in range(self.num_workers)]
-            self._server_cls: Any = ray.remote(ServerActor).options(
-                num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
-            )
-            server: Any = self._server_cls.remote(spec, self._federation_ref)
-            self.server = server
-            self.evaluator = self._new_evaluator() if e.pipeline_eval else None
-            extra = [self.evaluator.device.remote()] if self.evaluator is not None else []
-            self._wait_started(
-                [w.info.remote() for w in self.workers] + [server.device.remote(), *extra]
-            )
-        except BaseException:
-            self.close()
-            raise
+        self.launch(spec.engine, spec.per_round)
+        self.attach(spec, federation)
+
+    def launch(self, e: EngineConfig, per_round: int, clock: StartupClock | None = None) -> None:
+        """Start Ray (unless it runs) and the actors' processes, which import torch meanwhile."""
+        self._started_ray = False
+        self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
+        self.workers: list[Any] = []
+        self.server: Any = None
+        self.evaluator: Any = None
         self.states: dict[int, ray.ObjectRef] = {}
         # The server state after the last finished server step, as an object the driver owns
         # (it outlives the server actor): a restarted server starts from it. None: a fresh server
         # is identical (it is built from the seed).
         self._server_state: Any = None
+        with _phase(clock, "ray_start"):
+            self._started_ray = init_ray(e.address, e.ray_num_cpus)
+        try:
+            with _phase(clock, "actors_launch"):
+                self.num_workers = plan_workers(e, per_round)
+                self._worker_cls = ray.remote(ClientWorker).options(
+                    num_cpus=e.worker_resources.num_cpus,
+                    num_gpus=e.worker_resources.num_gpus,
+                    max_restarts=0,
+                )
+                self.workers = [self._worker_cls.remote() for _ in range(self.num_workers)]
+                self._server_cls: Any = ray.remote(ServerActor).options(
+                    num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
+                )
+                self.server = self._server_cls.remote()
+                # No CPU of its own, like the server: it fills the time workers spend off the CPU.
+                self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
+                    num_cpus=0, num_gpus=0
+                )
+                self.evaluator = self._evaluator_cls.remote() if e.pipeline_eval else None
+        except BaseException:
+            self.close()
+            raise
+
+    def attach(
+        self, spec: RunSpec, federation: Federation, clock: StartupClock | None = None
+    ) -> None:
+        """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
+        self.spec = spec
+        try:
+            with _phase(clock, "dataset_put"):
+                self._federation_ref = ray.put(federation)
+            actors = [*self.workers, self.server]
+            actors += [self.evaluator] if self.evaluator is not None else []
+            with _phase(clock, "actors_ready"):
+                self._wait_started([a.setup.remote(spec, self._federation_ref) for a in actors])
+        except BaseException:
+            self.close()
+            raise
         log.info("Ray executor: %d workers", self.num_workers)
 
     def _wait_started(self, refs: list[Any]) -> None:
@@ -459,9 +487,7 @@ class RayExecutor(Executor):
         return StateView(dict(self.states), self._server_state, ray_get)
 
     def _new_evaluator(self) -> Any:
-        # No CPU of its own, like the server: it fills the time workers spend off the CPU.
-        cls: Any = ray.remote(ServerEvaluator).options(num_cpus=0, num_gpus=0)
-        return cls.remote(self.spec, self._federation_ref)
+        return self._evaluator_cls.remote(self.spec, self._federation_ref)
 
     def server_state(self) -> dict[str, Any]:
         if self._server_state is not None:
@@ -493,6 +519,11 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+            self.after_shutdown()
+
+
+def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:
+    return nullcontext() if clock is None else clock.phase(name)
 
 
 def make_executor(spec: RunSpec, federation: Federation) -> Executor:

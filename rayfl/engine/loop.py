@@ -29,6 +29,7 @@ from rayfl.engine.checkpoint import Restored
 from rayfl.engine.executor import Executor, make_executor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
+from rayfl.engine.startup import EarlyRay, StartupClock
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
@@ -160,18 +161,33 @@ class Simulation:
         self.run_dir = Path(run_dir)
         self.callbacks = list(callbacks or [])
         self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-        self.federation = prepare_federation(cfg)
         family = family_from_config(cfg.model.family, cfg.model.architectures)
         self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-        dataset = self.federation.dataset
-        dims = (
-            family.feature_dims(dataset.in_shape, dataset.num_classes)
-            if self.algo.needs_common_feature_dim
+        self.per_round = clients_per_round(cfg)
+        check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
+        self.clock = StartupClock()
+        self.clock.mark("imports")
+        # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
+        self._early = (
+            EarlyRay(cfg.engine, self.per_round, self.clock)
+            if cfg.engine.executor == "ray"
             else None
         )
-        check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
-        self.per_round = clients_per_round(cfg)
-        self.spec = make_spec(cfg, self.archs, self.federation)
+        try:
+            with self.clock.phase("data_load"):
+                self.federation = prepare_federation(cfg)
+            dataset = self.federation.dataset
+            dims = (
+                family.feature_dims(dataset.in_shape, dataset.num_classes)
+                if self.algo.needs_common_feature_dim
+                else None
+            )
+            check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
+            self.spec = make_spec(cfg, self.archs, self.federation)
+        except BaseException:
+            if self._early is not None:
+                self._early.cancel()
+            raise
         self.result = RunResult(cfg)
         self.start_round = 1
         self.last_clients: list[int] = []
@@ -184,7 +200,12 @@ class Simulation:
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(self.spec, self.federation)
+            if self._early is not None:
+                early, self._early = self._early, None
+                self.executor = early.finish(self.spec, self.federation)
+            else:
+                with self.clock.phase("executor"):
+                    self.executor = make_executor(self.spec, self.federation)
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:
@@ -193,6 +214,8 @@ class Simulation:
                 cb.on_run_start(self)
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
             comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
+            self.clock.mark("first_round_at")
+            log.info("start-up: %s", self.clock.describe())
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
                 if self.run_round(rnd, comm) is None or self._stop:
                     break
@@ -202,6 +225,8 @@ class Simulation:
             status = "KILLED"
             raise
         finally:
+            if self._early is not None:  # failed before the executor took over
+                self._early.cancel()
             if status != "FINISHED" and self._pending is not None:
                 try:  # the last finished round still gets its row
                     self._finish_pending()
@@ -256,6 +281,8 @@ class Simulation:
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
         row.update(summarize_clients(client_rows))
         row.update(server_metrics)
+        if rnd == self.start_round:
+            row.update(self.clock.metrics())
         row["comm/bytes_down"] = bytes_down
         row["comm/bytes_up_total"] = comm["up"]
         row["comm/bytes_down_total"] = comm["down"]

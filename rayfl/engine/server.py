@@ -179,7 +179,14 @@ class ServerEvaluator:
     clients train (`engine.pipeline_eval`): evaluation feeds no broadcast, so it need not hold
     up the round. Same data, batch size and threads as the server: same numbers."""
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+    spec: RunSpec
+    data: EngineServerData
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
         gpus = ray.get_gpu_ids()
         device = resolve_device("cpu" if spec.device == "cpu" or not gpus else "auto", gpus)
@@ -198,7 +205,13 @@ class ServerEvaluator:
 class ServerActor:
     """Ray actor around a `ServerRunner`, reserving `engine.server_resources`."""
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+    runner: ServerRunner
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:

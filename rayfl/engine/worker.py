@@ -204,7 +204,15 @@ class ClientRunner:
 class ClientWorker:
     """Ray actor around a `ClientRunner`; created with `ray.remote(ClientWorker).options(...)`."""
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+    runner: ClientRunner
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        # Started without them, the process imports torch while the driver loads the data;
+        # `setup` then completes it (rayfl.engine.startup).
+        if spec is not None and federation is not None:
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
         # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
         self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
