@@ -92,6 +92,10 @@ class EngineConfig:
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
     )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    object_store_mb: int | None = (
+        None  # object store of the private local Ray (None: Ray's default)
+    )
+    spill_dir: str | None = None  # where a private local Ray spills objects (None: its temp dir)
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
     # Train a call's clients of one architecture together, vectorized with torch.func (same
@@ -228,6 +232,7 @@ RANGES: dict[str, Range] = {
     "engine.clients_per_round": AT_LEAST_1,
     "engine.num_workers": AT_LEAST_1,
     "engine.ray_num_cpus": AT_LEAST_1,
+    "engine.object_store_mb": Range(lo=80),
     "engine.eval_every": AT_LEAST_1,
     "engine.clients_per_call": AT_LEAST_1,
     "engine.num_threads": AT_LEAST_1,

@@ -7,6 +7,7 @@ client state stays in Ray's object store as references the driver owns, never in
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -16,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -200,8 +202,17 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
-def init_ray(address: str | None, num_cpus: int | None) -> bool:
+def init_ray(
+    address: str | None,
+    num_cpus: int | None,
+    object_store_mb: int | None = None,
+    spill_dir: str | None = None,
+) -> bool:
     """Start a private local Ray (or join `address`); returns True when this call started it.
+
+    A local Ray gets an object store of `object_store_mb` (None: Ray's default, 30% of RAM) and
+    spills objects that do not fit to `spill_dir` (None: Ray's default, under its temp dir)
+    instead of failing: client state of thousands of clients can outgrow the store.
 
     `ray.init` replaces the process's SIGTERM handler with one that exits at once; the caller's
     handler (the CLI's, which stops a run like Ctrl-C) is put back.
@@ -219,6 +230,12 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
         if address:
             ray.init(address=address, **kwargs)
         else:
+            if object_store_mb is not None:
+                kwargs["object_store_memory"] = int(object_store_mb) * 2**20
+            if spill_dir is not None:
+                Path(spill_dir).mkdir(parents=True, exist_ok=True)
+                spilling = {"type": "filesystem", "params": {"directory_path": str(spill_dir)}}
+                kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as exc:
         raise UserError(
@@ -291,7 +308,7 @@ class RayExecutor(Executor):
         # is identical (it is built from the seed).
         self._server_state: Any = None
         with _phase(clock, "ray_start"):
-            self._started_ray = init_ray(e.address, e.ray_num_cpus)
+            self._started_ray = init_ray(e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir)
         try:
             with _phase(clock, "actors_launch"):
                 self.num_workers = plan_workers(e, per_round)

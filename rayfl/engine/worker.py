@@ -240,4 +240,10 @@ class ClientWorker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device),
             "torch_threads": torch.get_num_threads(),
+            # peak GPU memory this worker's training allocated (0 on the CPU)
+            "cuda_max_memory_mb": (
+                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
+                if self.runner.device.type == "cuda"
+                else 0.0
+            ),
         }
