@@ -70,13 +70,13 @@ def epsilon(
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    acc = make_accountant(accountant, orders)
-    acc.compose(round_event(noise_multiplier, sampling_rate), rounds)
     # The RDP accountant warns (through absl) for every fractional order it skips; not our news.
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
+        acc = make_accountant(accountant, orders)
+        acc.compose(round_event(noise_multiplier, sampling_rate), rounds)
         return float(acc.get_epsilon(delta))
     finally:
         absl.setLevel(level)

@@ -36,7 +36,8 @@ def read_run(run_dir: Path) -> dict[str, Any] | None:
         "clip": dp.get("clip") if dp.get("enabled") else None,
         "secagg": bool(cfg.get("privacy", {}).get("secagg", {}).get("enabled")),
         "acc": final.get(ACC),
-        "epsilon": final.get(EPS, math.inf),
+        # summary.json writes inf as null; no DP at all is epsilon = inf too
+        "epsilon": math.inf if final.get(EPS) is None else float(final[EPS]),
         "rounds": summary["rounds"],
         "status": summary["status"],
     }

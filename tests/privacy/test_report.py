@@ -1,0 +1,58 @@
+"""The privacy-utility report reads run directories and writes a plot and a Markdown table."""
+
+from __future__ import annotations
+
+import json
+
+from rayfl.privacy import report
+
+
+def fake_run(path, noise, alpha, acc, eps, variant="kd", secagg=False):
+    path.mkdir(parents=True)
+    dp = {"enabled": noise is not None, "noise_multiplier": noise or 1.0, "clip": 1.0}
+    summary = {
+        "status": "FINISHED",
+        "rounds": 4,
+        "final": {"personal/acc": acc, "privacy/epsilon": eps},
+        "config": {
+            "algorithm": {"name": "pfedes", "variant": variant, "alpha": alpha},
+            "privacy": {"dp": dp, "secagg": {"enabled": secagg}},
+        },
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_table_and_plot(tmp_path, capsys):
+    trials = tmp_path / "trials"
+    fake_run(trials / "t1", 0.5, 0.1, 0.61, 40.0)
+    fake_run(trials / "t2", 2.0, 0.1, 0.55, 3.5)
+    fake_run(tmp_path / "plain", None, 0.1, 0.63, None)  # null epsilon: no DP
+    fake_run(tmp_path / "sa", None, 0.1, 0.63, None, secagg=True)
+    out = tmp_path / "plot.png"
+    assert (
+        report.main(
+            [
+                str(trials),
+                "--ref",
+                f"plain={tmp_path / 'plain'}",
+                "--ref",
+                f"sa={tmp_path / 'sa'}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out.splitlines()
+    assert out.stat().st_size > 0
+    assert table[2] == "| plain | none | 0.1 | - | inf | 0.6300 |"
+    assert table[3] == "| sa | SecAgg | 0.1 | - | inf | 0.6300 |"
+    assert table[4] == "| t1 | DP (clip 1.0) | 0.1 | 0.5 | 40.0000 | 0.6100 |"
+    assert len(table) == 6
+
+
+def test_protocol_bench_counts_the_bytes_of_one_upload():
+    from rayfl.privacy.bench import VARIANTS, measure
+
+    assert measure(VARIANTS["dp"], clients=3, size=50)["bytes_up"] == 4 * 50  # float32
+    assert measure(VARIANTS["secagg"], clients=3, size=50)["bytes_up"] == 8 * 51  # uint64 + weight
