@@ -221,6 +221,10 @@ def _variant_main(config_path: str, run_dir: str) -> None:
 # ----------------------------------------------------------------------------- the report
 
 
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    return sum(x.get(key, 0.0) for x in rows) / max(1, len(rows))
+
+
 def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
     rows = r["rounds"]
     steady = rows[warmup:] or rows
@@ -231,6 +235,12 @@ def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
         "in_run_s": sum(x.get("time/round_s", 0.0) for x in rows),
         "round_s": sum(x.get("time/round_s", 0.0) for x in steady) / max(1, len(steady)),
         "train_s": sum(x.get("time/train_s_sum", 0.0) for x in rows),
+        "server_s": _mean(steady, "time/server_s"),
+        # client phase time not spent training, with the training spread over the workers
+        "overhead_s": max(
+            0.0, _mean(steady, "time/fit_s") - _mean(steady, "time/train_s_sum") / r["workers"]
+        ),
+        "up_mb": _mean(steady, "comm/bytes_up") / 1e6,
         "per_round": rows[-1].get("clients", float("nan")) if rows else float("nan"),
         "acc": next(
             (x["personal/acc"] for x in reversed(rows) if "personal/acc" in x), float("nan")
@@ -244,7 +254,8 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         f"benchmark {name}: end to end = the variant's process from command to exit; "
         f"{bench.warmup_rounds} warm-up round(s) left out of s/round",
         f"  {'variant':12s} {'clients':>7s} {'/round':>6s} {'workers':>7s} {'e2e s':>8s} "
-        f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'clients/s':>9s} {'train s':>8s} {'acc':>6s} "
+        f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'clients/s':>9s} {'train s':>8s} "
+        f"{'overhead':>8s} {'server s':>8s} {'up MB':>7s} {'acc':>6s} "
         f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'floor s':>8s} {'x floor':>7s}",
     ]
     for label, r in results.items():
@@ -254,13 +265,16 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
             f"  {label:12s} {r['clients']:7d} {r['per_round']:6.0f} {r['workers']:7d} "
             f"{r['wall_s']:8.1f} {r['startup_s']:7.1f} {r['in_run_s']:8.1f} {r['round_s']:8.2f} "
             f"{r['per_round'] / r['round_s'] if r['round_s'] else float('nan'):9.1f} "
-            f"{r['train_s']:8.1f} {r['acc']:6.3f} {r['driver_peak_mb']:9.0f} {r['ray_peak_mb']:8.0f} "
+            f"{r['train_s']:8.1f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {r['up_mb']:7.3f} "
+            f"{r['acc']:6.3f} {r['driver_peak_mb']:9.0f} {r['ray_peak_mb']:8.0f} "
             f"{r['total_peak_mb']:8.0f} {r['store_peak_mb']:8.1f} {floor_s:8.1f} {ratio:7.2f}"
         )
     lines.append(
         "  e2e = wall time of the variant's process (imports, Ray start, data, actors, rounds, exit); "
         "startup = process start to first round; clients/s = clients per round / steady s/round; train s = client training measured inside the "
-        "workers, summed; floor s = the floor run's train s / this variant's workers (one "
+        "workers, summed over the run; overhead = client phase per round - its training / workers "
+        "(state moves, calls, client evaluation); server s = server step per round; up MB = "
+        "uploads per round; floor s = the floor run's train s / this variant's workers (one "
         "single-thread process, no Ray); x floor = e2e / floor s; ray MB = summed PSS of the "
         "processes the run started (Ray daemons, workers), peak; total = driver + ray; store = "
         "object store in use, peak"
