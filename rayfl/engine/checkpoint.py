@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -153,8 +153,8 @@ def state_bytes(state: Any) -> bytes:
     return buf.getvalue()
 
 
-def load_state(path: Path) -> Any:
-    """Read a state written by :func:`state_bytes`; never unpickles."""
+def load_state(path: Path | IO[bytes]) -> Any:
+    """Read a state written by :func:`state_bytes` (a path or a binary file); never unpickles."""
     with np.load(path, allow_pickle=False) as z:
         tree = json.loads(bytes(z[_TREE]).decode())
         arrays = {k: z[k] for k in z.files if k != _TREE}
@@ -228,6 +228,11 @@ def _load_verified(path: Path, info: dict[str, Any]) -> Any:
         return load_state(path)
     except Exception as exc:  # a file that passed its checksum but does not parse
         raise _refuse(path, f"unreadable state file ({type(exc).__name__})") from None
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has a current checkpoint to resume from (not yet verified)."""
+    return (Path(run_dir) / LINK).is_symlink()
 
 
 def verify(run_dir: Path, cfg: RunConfig) -> Restored:

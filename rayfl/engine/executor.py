@@ -255,9 +255,83 @@ def init_ray(
     return True
 
 
-def plan_workers(e: EngineConfig, per_round: int) -> int:
-    """How many workers fit the cluster with `engine.worker_resources` (after the server's share)."""
+def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
+    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
+    not even the server fits)."""
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        return 0
+    fits = []
+    if w.num_cpus > 0:
+        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
+    if w.num_gpus > 0:
+        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
+    return max(0, min(fits))
+
+
+def _bundle(res: Any) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+
+
+def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
+    """On a joined cluster (`engine.address`), ask the autoscaler for the run's workers and
+    server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
+    (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
+    Returns the cluster's resources; raises UserError when the time runs out."""
+    from ray.autoscaler.sdk import request_resources
+
+    required = e.num_workers or 1
     total = ray.cluster_resources()
+    if _capacity(e, total) >= required:
+        return total
+    wanted = max(required, math.ceil(per_round / e.clients_per_call))
+    bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
+    if _bundle(e.server_resources):
+        bundles.append(_bundle(e.server_resources))
+    w = e.worker_resources
+    need = f"{required} worker(s) of {w.num_cpus:g} CPU / {w.num_gpus:g} GPU"
+    request_resources(bundles=bundles)
+    log.warning(
+        "the cluster has %g CPU / %g GPU, not enough for %s; asked the autoscaler for %d "
+        "worker bundles and waiting up to %.0f s (engine.wait_for_resources_s)",
+        total.get("CPU", 0.0),
+        total.get("GPU", 0.0),
+        need,
+        wanted,
+        e.wait_for_resources_s,
+    )
+    start = time.monotonic()
+    next_note = start + 60.0
+    while time.monotonic() - start < e.wait_for_resources_s:
+        time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
+        total = ray.cluster_resources()
+        if _capacity(e, total) >= required:
+            log.warning(
+                "resources arrived after %.0f s: %g CPU / %g GPU",
+                time.monotonic() - start,
+                total.get("CPU", 0.0),
+                total.get("GPU", 0.0),
+            )
+            return total
+        if time.monotonic() >= next_note:
+            log.warning("still waiting for %s (%.0f s so far)", need, time.monotonic() - start)
+            next_note += 60.0
+    raise UserError(
+        f"waited engine.wait_for_resources_s={e.wait_for_resources_s:g} s for {need} but the "
+        f"cluster has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU; check the "
+        "autoscaler (`ray status`, `ray monitor cluster.yaml`), raise engine.wait_for_resources_s "
+        "or lower engine.worker_resources"
+    )
+
+
+def plan_workers(e: EngineConfig, per_round: int) -> int:
+    """How many workers fit the cluster with `engine.worker_resources` (after the server's share).
+    On a joined cluster it first waits for the autoscaler (see `wait_for_resources`)."""
+    if e.address and e.wait_for_resources_s > 0:
+        total = wait_for_resources(e, per_round)
+    else:
+        total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
     if s.num_cpus > cpus or s.num_gpus > gpus:
@@ -265,12 +339,7 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
             f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
             f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
         )
-    fits = []
-    if w.num_cpus > 0:
-        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
-    if w.num_gpus > 0:
-        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
-    capacity = min(fits)
+    capacity = _capacity(e, total)
     if capacity < 1:
         raise UserError(
             f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
@@ -301,6 +370,7 @@ class RayExecutor(Executor):
         self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
         self.workers: list[Any] = []
         self.server: Any = None
+        self._server_ready: Any = None
         self.evaluator: Any = None
         self.states: dict[int, ray.ObjectRef] = {}
         # The server state after the last finished server step, as an object the driver owns
@@ -341,36 +411,75 @@ class RayExecutor(Executor):
                 self._federation_ref = ray.put(federation)
             actors = [*self.workers, self.server]
             actors += [self.evaluator] if self.evaluator is not None else []
+            ready = [a.setup.remote(spec, self._federation_ref) for a in actors]
+            # the server answers through its setup, the workers through info() after theirs
+            self._server_ready = ready[len(self.workers)]
             with _phase(clock, "actors_ready"):
-                self._wait_started([a.setup.remote(spec, self._federation_ref) for a in actors])
+                deadline = time.monotonic() + spec.engine.startup_timeout_s
+                for ref in ready:  # a setup error (e.g. no GPU) surfaces here, as itself
+                    with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                        ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                self._await_started()  # replaces actors that died; times out with a message
         except BaseException:
             self.close()
             raise
         log.info("Ray executor: %d workers", self.num_workers)
 
-    def _wait_started(self, refs: list[Any]) -> None:
-        timeout = self.spec.engine.startup_timeout_s
-        try:
-            ray_get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(
-                f"the Ray workers and server did not start within engine.startup_timeout_s={timeout:g} s "
-                "(the cluster lacks free resources or is overloaded; `ray status` shows them); "
-                "raise engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
-            ) from None
-
-    def _restart_server(self, why: str) -> None:
-        """Replace a dead server actor by a new one holding the last round's server state."""
-        log.warning("%s: the server actor died; restarting it from the last server state", why)
+    def _new_server(self) -> None:
         with suppress(Exception):
-            ray.kill(self.server)
-        self.server = self._server_cls.remote(self.spec, self._federation_ref)
-        self._wait_started([self.server.device.remote()])
-        if self._server_state is not None:
-            ray_get(self.server.load_state_dict.remote(self._server_state))
+            if self.server is not None:
+                ray.kill(self.server)
+        server: Any = self._server_cls.remote(self.spec, self._federation_ref)
+        self.server = server
+        self._server_ready = (
+            server.load_state_dict.remote(self._server_state)
+            if self._server_state is not None
+            else server.device.remote()
+        )
+
+    def _await_started(self) -> None:
+        """Wait until every worker and the server answer; replace those that die meanwhile.
+
+        Raises:
+            UserError: they did not answer within `engine.startup_timeout_s`, or kept dying.
+        """
+        e = self.spec.engine
+        deadline = time.monotonic() + e.startup_timeout_s
+        for _ in range(e.max_retries + 1):
+            probes: list[tuple[Any, int]] = [
+                (w.info.remote(), i) for i, w in enumerate(self.workers)
+            ]
+            probes.append((self._server_ready, -1))
+            dead = []
+            for ref, who in probes:
+                try:
+                    ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    raise UserError(
+                        f"the Ray workers and server did not start within "
+                        f"engine.startup_timeout_s={e.startup_timeout_s:g} s (the cluster lacks "
+                        "free resources or is overloaded; `ray status` shows them); raise "
+                        "engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
+                    ) from None
+                except ray.exceptions.RayActorError:
+                    dead.append(who)
+            if not dead:
+                self._server_ready = None
+                return
+            log.warning("%d actors died while starting; replacing them", len(dead))
+            for who in dead:
+                if who < 0:
+                    self._new_server()
+                else:
+                    self.workers[who] = self._new_worker()
+        raise UserError(
+            f"Ray actors died {e.max_retries + 1} times while starting; check memory "
+            "(engine.worker_resources, engine.server_resources) or raise engine.max_retries"
+        )
 
     def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
-        """Run `call` (which uses `self.server`); on a dead server restart it and run it again."""
+        """Run `call` (which uses `self.server`); on a dead server restart it from the last server
+        state and run it again."""
         retries = self.spec.engine.max_retries
         for attempt in range(retries + 1):
             try:
@@ -381,7 +490,9 @@ class RayExecutor(Executor):
                         f"{why}: the server actor died {attempt + 1} times; check memory "
                         "(engine.server_resources) or raise engine.max_retries"
                     ) from None
-                self._restart_server(why)
+                log.warning("%s: the server actor died; restarting it from the last state", why)
+                self._new_server()
+                self._await_started()
         raise AssertionError("unreachable")
 
     def _new_worker(self) -> Any:

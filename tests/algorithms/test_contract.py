@@ -10,6 +10,7 @@ fresh instances, and the family checks raise a clear ConfigError.
 from __future__ import annotations
 
 import importlib
+import io
 import math
 import pkgutil
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import torch
 from rayfl.algorithms.base import RoundContext
 from rayfl.config import build_config
 from rayfl.engine.callbacks import Callback
+from rayfl.engine.checkpoint import load_state, state_bytes
 from rayfl.engine.loop import Simulation
 from rayfl.engine.training import logits_of
 from rayfl.errors import ConfigError
@@ -102,11 +104,18 @@ class Capture(Callback):
     def on_run_end(self, sim: Simulation, status: str) -> None:
         ex = sim.executor
         assert ex is not None
-        self.client_states = dict(ex.client_states(range(sim.cfg.data.num_clients)))
-        self.server_state = ex.server_state()
+        # through the checkpoint's file format (no pickle): every state must survive it
+        self.client_states = {
+            c: through_checkpoint(s) for c, s in ex.client_states(range(sim.cfg.data.num_clients))
+        }
+        self.server_state = through_checkpoint(ex.server_state())
         archs = sorted(set(sim.archs))
         _, payloads = ex.broadcast(1, archs)
         self.payloads = {a: payloads[a] for a in archs}
+
+
+def through_checkpoint(state: Any) -> Any:
+    return load_state(io.BytesIO(state_bytes(state)))
 
 
 def fresh_client(sim: Simulation, arch: str, seed: int) -> Any:

@@ -50,6 +50,8 @@ class Chaos:
         default_factory=lambda: {"driver": 0, "driver_in_write": 0, "worker": 0, "server": 0}
     )
     launches: int = 0
+    family: dict[int, psutil.Process] = field(default_factory=dict)
+    log: Path = Path("/dev/null")
 
     def start(self, kill_at_write: int = 0) -> subprocess.Popen:
         resume = os.path.islink(self.out / "checkpoint")
@@ -58,15 +60,17 @@ class Chaos:
             args += ["--out", str(self.out)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), RAYFL_CHAOS_KILL_AT_WRITE=str(kill_at_write))
         self.launches += 1
-        return subprocess.Popen(
-            [sys.executable, "-m", "tests.engine.chaos_driver", *args, "--no-progress"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        # a file, not a pipe: nobody reads a pipe while the driver runs, and a full one blocks it
+        self.log = self.out.parent / f"driver-{self.launches}.log"
+        with open(self.log, "w") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.engine.chaos_driver", *args, "--no-progress"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
 
     def actors(self, driver: subprocess.Popen, name: str) -> list[psutil.Process]:
         found = []
@@ -81,28 +85,32 @@ class Chaos:
             pass
         return found
 
-    def finish(self, driver: subprocess.Popen) -> tuple[int, str]:
-        """Wait for the driver; then end whatever it started that outlived it (by pid)."""
+    def watch(self, driver: subprocess.Popen) -> None:
+        """Remember every process the driver started (Ray's raylet, GCS, agents, workers)."""
         try:
-            family = psutil.Process(driver.pid).children(recursive=True)
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                self.family.setdefault(p.pid, p)
         except psutil.Error:
-            family = []
-        _, err = driver.communicate(timeout=600)
-        for p in family:
+            pass
+
+    def reap(self) -> None:
+        """End what a driver started that outlived it (by pid: a killed machine loses them too)."""
+        for p in self.family.values():
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        return driver.returncode, err
+        self.family.clear()
+
+    def finish(self, driver: subprocess.Popen) -> tuple[int, str]:
+        """Wait for the driver, then end whatever it started."""
+        self.watch(driver)
+        driver.wait(timeout=900)
+        self.reap()
+        return driver.returncode, self.log.read_text()
 
     def kill_driver(self, driver: subprocess.Popen) -> None:
-        try:
-            family = psutil.Process(driver.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
+        self.watch(driver)
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-        for p in family:  # the Ray it started, as a killed machine would lose it
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
     def run(self, max_launches: int, driver_kills: int, actor_kills: bool, window_s: float) -> None:
         """Launch, kill at random, relaunch with --resume, until a launch finishes cleanly."""
@@ -115,6 +123,7 @@ class Chaos:
             deadline = time.monotonic() + (self.rng.uniform(0.3, 1.0) * window_s)
             while driver.poll() is None:
                 time.sleep(0.2)
+                self.watch(driver)
                 if actor_kills and self.rng.random() < 0.08:
                     kind = self.rng.choice(["worker", "server"])
                     name = "ClientWorker" if kind == "worker" else "ServerActor"
@@ -164,7 +173,7 @@ def test_quick_chaos_driver_killed_inside_a_checkpoint_write(tmp_path):
 
 @pytest.mark.slow
 def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
-    rounds = 8
+    rounds = 6
     engine = {
         "rounds": rounds,
         "executor": "ray",
@@ -177,7 +186,7 @@ def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
     config = write_config(tmp_path, {"engine": engine})
     seed = int(os.environ.get("RAYFL_CHAOS_SEED", "0"))
     chaos = Chaos(config, tmp_path / "run", random.Random(seed))
-    chaos.run(max_launches=40, driver_kills=8, actor_kills=True, window_s=40.0)
+    chaos.run(max_launches=30, driver_kills=6, actor_kills=True, window_s=90.0)
     got = comparable(pq.read_table(tmp_path / "run" / "metrics.parquet").to_pylist())
     print(f"chaos seed {seed}: {chaos.launches} launches, kills {chaos.kills}")
     (tmp_path.parent / "chaos_report.txt").write_text(
