@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,7 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     raw = settings(args.cpu_smoke)
     gpus = 1 if args.cpu_smoke else torch.cuda.device_count()
-    ray.init(address="local", num_gpus=gpus, include_dashboard=False, configure_logging=False)
+    # at least 4 (logical) CPUs: one per worker
+    cpus = max(4, os.cpu_count() or 1)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        num_gpus=gpus,
+        include_dashboard=False,
+        configure_logging=False,
+    )
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": "cpu (smoke test)" if args.cpu_smoke else torch.cuda.get_device_name(0),
