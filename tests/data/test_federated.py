@@ -163,9 +163,9 @@ def test_plot_label_distribution_writes_png(dataset, tmp_path):
 
 def test_plot_label_distribution_of_many_clients_is_an_image(dataset, tmp_path, monkeypatch):
     # Above MAX_BAR_CLIENTS clients the plot is one image row per client, not a bar per class.
-    import rayfl.data.federated as federated
-
     from matplotlib.axes import Axes
+
+    import rayfl.data.federated as federated
 
     def no_bars(*args, **kwargs):
         raise AssertionError("drew bars")
