@@ -202,6 +202,13 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
+class _NotMainThreadNote(logging.Filter):
+    """Drops Ray's warning that `ray.init` off the main thread sets no SIGTERM handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
+
+
 def init_ray(
     address: str | None,
     num_cpus: int | None,
@@ -226,6 +233,9 @@ def init_ray(
     }
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    quiet = _NotMainThreadNote()
+    if not main_thread:  # rayfl.engine.startup restores the caller's handler on the main thread
+        logging.getLogger("ray._private.worker").addFilter(quiet)
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -250,6 +260,7 @@ def init_ray(
             "(set RAY_TMPDIR), or use engine.executor=serial"
         ) from None
     finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
         if main_thread and callable(previous):
             signal.signal(signal.SIGTERM, previous)
     return True

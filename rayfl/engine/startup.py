@@ -13,6 +13,7 @@ the spec and the dataset (`setup`); the server and the evaluation actor start be
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -78,9 +79,15 @@ class EarlyRay:
         self._args: tuple[Any, ...] = (engine, per_round, clock)
         self._launched = threading.Event()
         self._release = threading.Event()
+        # `ray.init` installs Ray's own SIGTERM handler (it aborts the process); on the main
+        # thread `init_ray` puts the caller's back, from a thread it cannot: `finish` does.
+        main = threading.current_thread() is threading.main_thread()
+        self._sigterm = signal.getsignal(signal.SIGTERM) if main else None
+        self._thread_started = False
         if ray.is_initialized():  # nothing slow to hide (tests, Tune trials): stay on this thread
             self._launch()
         else:
+            self._thread_started = True
             self.executor.after_shutdown = self._release.set
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
 
@@ -97,14 +104,19 @@ class EarlyRay:
         if self.error is None:
             self._release.wait()
 
-    def finish(self, spec: RunSpec, federation: Federation) -> RayExecutor:
+    def _wait_launched(self) -> None:
         self._launched.wait()
+        if callable(self._sigterm) and self._thread_started:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def finish(self, spec: RunSpec, federation: Federation) -> RayExecutor:
+        self._wait_launched()
         if self.error is not None:
             raise self.error
         self.executor.attach(spec, federation, self._args[2])
         return self.executor
 
     def cancel(self) -> None:
-        self._launched.wait()
+        self._wait_launched()
         if self.error is None:
             self.executor.close()
