@@ -8,7 +8,7 @@ A suite file:
 
     suite: my_suite                    # name: MLflow parent run, output folder
     base: {data: ..., model: ..., train: ..., engine: ..., tracking: ...}   # a full run config
-    # or: base_file: ../pfedes_fmnist.yaml  (relative to this file, or to the working directory)
+    # or: base_file: ../pfedes_fmnist.yaml  (next to this file, the working directory, or the repository root)
     algorithms:                        # one entry per compared method
       - name: local
       - name: pfedes
@@ -54,8 +54,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rayfl.config import RunConfig, build_config, parse_override, read_yaml, set_dotted
+from rayfl.config import (
+    RunConfig,
+    build_config,
+    parse_override,
+    read_yaml,
+    resolve_base_file,
+    set_dotted,
+)
 from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +127,7 @@ def _base(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(raw["base"], dict):
             raise ConfigError(f"{path}: base must be a mapping (a run config without algorithm)")
         return copy.deepcopy(raw["base"])
-    target = Path(str(raw["base_file"]))
-    if not target.is_absolute() and not target.is_file():
-        target = path.parent / target
-    return read_yaml(target, "base_file")
+    return read_yaml(resolve_base_file(raw["base_file"], path, "base_file"), "base_file")
 
 
 def _split_cli(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -441,20 +446,6 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _write_table(rows: Sequence[Mapping[str, Any]], stem: Path) -> list[Path]:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    table = pa.table({k: [row.get(k) for row in rows] for k in keys})
-    pq.write_table(table, stem.with_suffix(".parquet"))
-    pacsv.write_csv(table, stem.with_suffix(".csv"))
-    return [stem.with_suffix(".csv"), stem.with_suffix(".parquet")]
-
-
 def mean_curves(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
 ) -> dict[str, list[tuple[int, float]]]:
@@ -477,7 +468,8 @@ def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
     if mean is None:
         return "-"
     std = agg.get(std_col(key))
-    return fmt.format(mean) if std is None else f"{fmt.format(mean)} ± {fmt.format(std)}"
+    spread = fmt.replace("+", "")  # a sign on the mean (a gain), never on the spread
+    return fmt.format(mean) if std is None else f"{fmt.format(mean)} ± {spread.format(std)}"
 
 
 def server_acc_keys(agg: Mapping[str, Any]) -> list[str]:
@@ -811,7 +803,7 @@ def run_suite(
     def done(index: int, row: dict[str, Any], history: list[Any]) -> None:
         slots[index] = (row, history)
         # finished runs survive a later interruption
-        _write_table([s[0] for s in slots if s is not None], out_dir / "runs")
+        write_table([s[0] for s in slots if s is not None], out_dir / "runs", csv=True)
         bar.update(1)
 
     started_ray = _shared_ray(suite) if suite.parallel == 1 else _parallel_ray(suite)
@@ -838,7 +830,9 @@ def run_suite(
         if slot is not None and slot[1]:
             histories[run.setting][run.label].append(slot[1])
     results = aggregate(rows)
-    artifacts = _write_table(rows, out_dir / "runs") + _write_table(results, out_dir / "results")
+    artifacts = write_table(rows, out_dir / "runs", csv=True) + write_table(
+        results, out_dir / "results", csv=True
+    )
     for setting, by_label in histories.items():
         name = f"curves_personal_acc{'_' + setting if setting else ''}.png"
         artifacts.append(

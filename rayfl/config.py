@@ -92,6 +92,9 @@ class EngineConfig:
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
     )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    # joined cluster (address set): how long to wait for the autoscaler to provide the workers
+    # the run needs (engine.num_workers, else one) before giving up; 0: do not wait
+    wait_for_resources_s: float = 600.0
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
     # Train a call's clients of one architecture together, vectorized with torch.func (same
@@ -436,6 +439,38 @@ def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_base_file(name: Any, referrer: Path, key: str = "base") -> Path:
+    """The experiment file a suite (`base_file:`) or a sweep (`base:`) builds on.
+
+    A relative path is looked up, in this order, next to the referring file, in the current
+    directory, then in the repository root (where `experiments/` lives), so a suite or sweep
+    works from wherever it is run; an absolute path is taken as it is.
+
+    Raises:
+        ConfigError: `name` is not a non-empty string, or no candidate is a file.
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{referrer}: {key}: name the experiment file to build on (e.g. experiments/pfedes_fmnist.yaml)"
+        )
+    path = Path(name).expanduser()
+    candidates = (
+        [path]
+        if path.is_absolute()
+        else [referrer.parent / path, Path.cwd() / path, REPO_ROOT / path]
+    )
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(
+        f"{referrer}: {key}: {name} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
+        "give a path relative to that file or to the repository root"
+    )
 
 
 def _deepcopy(d: Any) -> Any:

@@ -2,6 +2,7 @@
 `--help`, and a plain line-per-round progress when stderr is not a terminal."""
 
 import io
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +91,24 @@ def test_zero_column_terminal_is_plain(monkeypatch):
     monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((80, 24)))
     assert not ProgressBar.wants_plain(Tty())
     assert ProgressBar.wants_plain(io.StringIO())
+
+
+def test_the_main_job_prints_its_gain_over_local(tmp_path, capsys):
+    import yaml
+
+    from rayfl.config import load_config
+    from tests.conftest import SYNTHETIC
+
+    readme = Path("README.md").read_text()
+    assert "rayfl run experiments/pfedes_fmnist.yaml\n" in readme.split("```")[1]
+    main_job = load_config("experiments/pfedes_fmnist.yaml")
+    assert main_job.eval.local_baseline and main_job.algorithm.params.beta > 0
+    # the same settings on synthetic data, through the CLI
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(SYNTHETIC))
+    argv = ["run", str(exp), "eval.local_baseline=true", "algorithm.beta=0.5"]
+    assert main([*argv, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    line = next(li for li in out.splitlines() if "gain over local (points)" in li)
+    assert line.split()[-1].startswith(("+", "-"))
+    assert "local-only acc, same partition" in out

@@ -240,12 +240,15 @@ def test_tiny_sweep_writes_results_best_config_and_mlflow_runs(
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     raw["tracking"] = {"backend": "mlflow", "experiment": "sweep_test", "uri": uri}
     raw["algorithm"]["beta"] = 0.5
+    store = tmp_path / "store"  # tune.storage: where Tune keeps the experiment (s3://... on AWS)
+    tune_settings = {"verbose": 0, "storage": str(store)}
     path = _write(
-        tmp_path, raw, {"space": {"algorithm.alpha": {"grid": [0.1, 1.0]}}, "tune": {"verbose": 0}}
+        tmp_path, raw, {"space": {"algorithm.alpha": {"grid": [0.1, 1.0]}}, "tune": tune_settings}
     )
     out = tmp_path / "out"
 
     result, text = sweep_and_report(path, ["engine.rounds=2"], out=out)
+    assert (store / "tiny").is_dir() and not (out / "tune").exists()
 
     import pyarrow.parquet as pq
 

@@ -118,9 +118,27 @@ class Trainer(Protocol):
 
 
 class ServerData(Protocol):
-    """Data the server may use (implemented by the engine)."""
+    """Data the server may use and the engine's minibatch loop over it (implemented by the engine)."""
 
     device: torch.device
+
+    def run(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        modules: Sequence[nn.Module],
+        epochs: int | None = None,
+        steps: int | None = None,
+        params: Iterable[nn.Parameter] | None = None,
+        settings: TrainConfig | None = None,
+        split: str = "public",
+        data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, float]:
+        """`Trainer.run` for the server: train `modules` with `step(x, y)`'s loss over shuffled
+        minibatches of `split` (or of the tensors `data = (x, y)`, e.g. uploaded prototypes) for
+        `epochs` passes or exactly `steps` minibatches. The optimizer is `settings`' (default:
+        the run's `train:`); shuffling uses the server's round-seeded torch RNG."""
+        ...
 
     def batches(
         self, split: str = "public", batch_size: int | None = None, shuffle: bool = False

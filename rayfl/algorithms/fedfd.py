@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -56,6 +56,7 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     ServerData,
+    TrainConfig,
     load_numpy,
     to_numpy,
 )
@@ -318,11 +319,12 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         means = {arch: feats[arch] / counts[arch] for arch in sorted(feats)}
         return means, (logits / len(replies) if logits is not None else None)
 
-    def _optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        p, wd = self.params, self.ctx.train.weight_decay
-        if p.optimizer == "adam":
-            return torch.optim.Adam(params, lr=p.lr, weight_decay=wd)
-        return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=wd)
+    def _settings(self) -> TrainConfig:
+        """The distillation optimizer: FedFD's own, with the run's weight decay and no clipping."""
+        p = self.params
+        return replace(
+            self.ctx.train, optimizer=p.optimizer, lr=p.lr, momentum=p.momentum, grad_clip=None
+        )
 
     def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         replies, self._replies = self._replies, []
@@ -339,20 +341,11 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             return {}
         feats, logits = self._targets(batches, replies)
         x_all = torch.cat(batches)
-        n = len(x_all)
-        params = list(self.model.parameters()) + list(self.projections.parameters())
-        optimizer = self._optimizer(params)
-        self.model.train()
-        self.projections.train()
         total = {"loss": 0.0, "feature": 0.0, "logit": 0.0}
-        order = torch.randperm(n)
-        cursor = 0
-        for _ in range(p.steps):
-            if cursor + 2 > n:  # a fresh pass, never a batch of one
-                order, cursor = torch.randperm(n), 0
-            idx = order[cursor : cursor + size].to(x_all.device)
-            cursor += size
-            z = self.model.features(x_all[idx])
+
+        def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            # `y` is each sample's index into the round's targets
+            z = self.model.features(x)
             loss = torch.zeros((), device=z.device)
             if feats:
                 f_loss = feature_distill_loss(
@@ -364,10 +357,19 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
                 l_loss = fn.kd_loss(self.model.head(z), logits[idx], p.T)
                 loss = loss + l_loss
                 total["logit"] += float(l_loss.detach())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
             total["loss"] += float(loss.detach())
+            return loss
+
+        index = torch.arange(len(x_all), device=x_all.device)
+        data.run(
+            step,
+            [self.model, self.projections],
+            steps=p.steps,
+            params=list(self.model.parameters()) + list(self.projections.parameters()),
+            settings=self._settings(),
+            data=(x_all, index),
+            batch_size=size,
+        )
         self.model.eval()
         prefix = self.metric_prefix
         metrics = {

@@ -37,6 +37,7 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     ServerData,
+    TrainConfig,
     Trainer,
     load_numpy,
     to_numpy,
@@ -72,27 +73,31 @@ class FedGHClient(protos.ClassStatsClient[FedGHParams]):
 
 def train_header(
     header: torch.nn.Module,
+    data: ServerData,
     features: torch.Tensor,
     labels: torch.Tensor,
     epochs: int,
     lr: float,
     batch_size: int,
 ) -> float:
-    """Train `header` on (prototype, class) pairs with CE and plain SGD; returns the last epoch's loss."""
-    optimizer = torch.optim.SGD(header.parameters(), lr=lr)
-    header.train()
+    """Train `header` on (prototype, class) pairs with CE and plain SGD through the engine's
+    minibatch loop; returns the last epoch's loss.
+
+    One call per epoch: plain SGD (no momentum, no weight decay) keeps no state between steps,
+    so a fresh optimizer per epoch trains exactly as one would.
+    """
+    sgd = TrainConfig(lr=lr, momentum=0.0, weight_decay=0.0, optimizer="sgd")
     last = float("nan")
     for _ in range(epochs):
-        order = torch.randperm(len(labels), device=labels.device)
-        total = 0.0
-        for start in range(0, len(labels), batch_size):
-            idx = order[start : start + batch_size]
-            loss = F.cross_entropy(header(features[idx]), labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(idx)
-        last = total / len(labels)
+        out = data.run(
+            lambda x, y: F.cross_entropy(header(x), y),
+            [header],
+            epochs=1,
+            settings=sgd,
+            data=(features, labels),
+            batch_size=batch_size,
+        )
+        last = out["loss"]
     return last
 
 
@@ -119,7 +124,13 @@ class FedGHServer(Server[FedGHParams]):
         self.pairs = None
         p = self.params
         loss = train_header(
-            self.header, features, labels, p.server_epochs, p.server_lr, self.ctx.train.batch_size
+            self.header,
+            data,
+            features,
+            labels,
+            p.server_epochs,
+            p.server_lr,
+            self.ctx.train.batch_size,
         )
         return {"fedgh/header_loss": loss} if p.server_epochs > 0 else {}
 

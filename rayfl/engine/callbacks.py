@@ -14,7 +14,8 @@ import yaml
 
 from rayfl.config import RunConfig, to_dict
 from rayfl.engine.rundir import strict_json
-from rayfl.locking import temp_path, write_atomic
+from rayfl.locking import write_atomic
+from rayfl.tables import write_table
 
 if TYPE_CHECKING:
     from rayfl.engine.checkpoint import Restored
@@ -220,14 +221,7 @@ class RunDirectory(Callback):
 
 
 def write_metrics(history: list[dict[str, float]], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
-    table = pa.table({k: [row.get(k) for row in history] for k in keys})
-    tmp = temp_path(path)
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    write_table(history, path, key=lambda k: (k != "round", k))
 
 
 def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:

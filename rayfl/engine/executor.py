@@ -191,9 +191,83 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
-def plan_workers(e: EngineConfig, per_round: int) -> int:
-    """How many workers fit the cluster with `engine.worker_resources` (after the server's share)."""
+def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
+    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
+    not even the server fits)."""
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        return 0
+    fits = []
+    if w.num_cpus > 0:
+        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
+    if w.num_gpus > 0:
+        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
+    return max(0, min(fits))
+
+
+def _bundle(res: Any) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+
+
+def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
+    """On a joined cluster (`engine.address`), ask the autoscaler for the run's workers and
+    server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
+    (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
+    Returns the cluster's resources; raises UserError when the time runs out."""
+    from ray.autoscaler.sdk import request_resources
+
+    required = e.num_workers or 1
     total = ray.cluster_resources()
+    if _capacity(e, total) >= required:
+        return total
+    wanted = max(required, math.ceil(per_round / e.clients_per_call))
+    bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
+    if _bundle(e.server_resources):
+        bundles.append(_bundle(e.server_resources))
+    w = e.worker_resources
+    need = f"{required} worker(s) of {w.num_cpus:g} CPU / {w.num_gpus:g} GPU"
+    request_resources(bundles=bundles)
+    log.warning(
+        "the cluster has %g CPU / %g GPU, not enough for %s; asked the autoscaler for %d "
+        "worker bundles and waiting up to %.0f s (engine.wait_for_resources_s)",
+        total.get("CPU", 0.0),
+        total.get("GPU", 0.0),
+        need,
+        wanted,
+        e.wait_for_resources_s,
+    )
+    start = time.monotonic()
+    next_note = start + 60.0
+    while time.monotonic() - start < e.wait_for_resources_s:
+        time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
+        total = ray.cluster_resources()
+        if _capacity(e, total) >= required:
+            log.warning(
+                "resources arrived after %.0f s: %g CPU / %g GPU",
+                time.monotonic() - start,
+                total.get("CPU", 0.0),
+                total.get("GPU", 0.0),
+            )
+            return total
+        if time.monotonic() >= next_note:
+            log.warning("still waiting for %s (%.0f s so far)", need, time.monotonic() - start)
+            next_note += 60.0
+    raise UserError(
+        f"waited engine.wait_for_resources_s={e.wait_for_resources_s:g} s for {need} but the "
+        f"cluster has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU; check the "
+        "autoscaler (`ray status`, `ray monitor cluster.yaml`), raise engine.wait_for_resources_s "
+        "or lower engine.worker_resources"
+    )
+
+
+def plan_workers(e: EngineConfig, per_round: int) -> int:
+    """How many workers fit the cluster with `engine.worker_resources` (after the server's share).
+    On a joined cluster it first waits for the autoscaler (see `wait_for_resources`)."""
+    if e.address and e.wait_for_resources_s > 0:
+        total = wait_for_resources(e, per_round)
+    else:
+        total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
     if s.num_cpus > cpus or s.num_gpus > gpus:
@@ -201,12 +275,7 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
             f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
             f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
         )
-    fits = []
-    if w.num_cpus > 0:
-        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
-    if w.num_gpus > 0:
-        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
-    capacity = min(fits)
+    capacity = _capacity(e, total)
     if capacity < 1:
         raise UserError(
             f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "

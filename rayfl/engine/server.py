@@ -7,17 +7,19 @@ actor (with its own CPU/GPU share) by the Ray executor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from torch import nn
 
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
+from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device, torch_threads
-from rayfl.engine.training import ArrayBatches, accuracy
+from rayfl.engine.training import ArrayBatches, Step, accuracy, fit_tensors
 from rayfl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,11 @@ class RoundFailed(UserError):
 class EngineServerData:
     """`rayfl.algorithms.base.ServerData`: the public split and the server test set."""
 
-    def __init__(
-        self, federation: Federation, device: torch.device, batch_size: int, eval_batch_size: int
-    ):
+    def __init__(self, federation: Federation, device: torch.device, settings: TrainConfig):
         self.device = device
+        self.settings = settings
         self._federation = federation
-        self._sizes = {"public": batch_size, "test": eval_batch_size}
+        self._sizes = {"public": settings.batch_size, "test": settings.eval_batch_size}
         self._cache: dict[str, ArrayBatches] = {}
         self.generator = torch.Generator()
 
@@ -49,6 +50,33 @@ class EngineServerData:
             else:
                 raise ValueError(f"unknown server split {split!r}")
         return self._cache[split]
+
+    def run(
+        self,
+        step: Step,
+        modules: Sequence[nn.Module],
+        epochs: int | None = None,
+        steps: int | None = None,
+        params: Iterable[nn.Parameter] | None = None,
+        settings: TrainConfig | None = None,
+        split: str = "public",
+        data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, float]:
+        if data is None:
+            arrays = self._data(split)
+            data = (arrays.x, arrays.y)
+        # generator None: the global torch RNG, which the runner seeds before every server update
+        return fit_tensors(
+            step,
+            modules,
+            *data,
+            settings or self.settings,
+            epochs=epochs,
+            steps=steps,
+            params=params,
+            batch_size=batch_size,
+        )
 
     def num_samples(self, split: str = "public") -> int:
         if split == "public":
@@ -83,9 +111,7 @@ class ServerRunner:
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
         self._sent: dict[str, Payload] = {}
-        self.data = EngineServerData(
-            federation, device, spec.train.batch_size, spec.train.eval_batch_size
-        )
+        self.data = EngineServerData(federation, device, spec.train)
 
     def broadcast(
         self, round_idx: int, archs: Sequence[str]

@@ -1,7 +1,14 @@
-"""The one minibatch loop and the one evaluation loop. Every algorithm trains through these."""
+"""The one minibatch loop and the one evaluation loop. Every algorithm trains through these.
+
+`minibatch_loop` is the loop; `shuffled_batches` the one batching rule. A client reaches them
+through `LocalTrainer.run`, the server through `ServerData.run` (`rayfl.engine.server`), both by
+way of `fit_tensors` or directly, so FedFD's distillation and FedGH's header training run the
+very code the clients do.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -28,6 +35,92 @@ def make_optimizer(
     return torch.optim.SGD(
         params, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
     )
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shuffled_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
+) -> Iterator[Batch]:
+    """One pass over `(x[i], y[i])` in minibatches, in order or shuffled by `generator` (None: the
+    global torch RNG). The permutation is drawn when the first batch is asked for.
+
+    A trailing batch of one breaks BatchNorm in train mode: it is skipped (unless it is all the
+    data) and its sample is seen in the next pass.
+    """
+    n = len(y)
+    order = torch.randperm(n, generator=generator).to(x.device)
+    for start in range(0, n, batch_size):
+        idx = order[start : start + batch_size]
+        if len(idx) == 1 and n > 1:
+            continue
+        yield x[idx], y[idx]
+
+
+def minibatch_loop(
+    step: Step,
+    modules: Sequence[nn.Module],
+    batches: Iterable[Batch],
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None = None,
+) -> dict[str, float]:
+    """The one minibatch loop: `modules` in train mode, then for every batch
+    `loss = step(x, y)`, backward, optional gradient clipping, optimizer step.
+
+    Returns:
+        `{"loss": mean of the batch losses weighted by batch size}` (NaN without batches).
+    """
+    for m in modules:
+        m.train()
+    total: torch.Tensor | None = None
+    count = 0
+    for x, y in batches:
+        loss = step(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip is not None:
+            nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        weighted = loss.detach() * len(y)
+        total = weighted if total is None else total + weighted
+        count += len(y)
+    return {"loss": float(total) / count if total is not None and count else float("nan")}
+
+
+def trainable(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
+
+
+def fit_tensors(
+    step: Step,
+    modules: Sequence[nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    settings: TrainConfig,
+    epochs: int | None = None,
+    steps: int | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Train on the tensors `(x, y)` with `settings`' optimizer: `epochs` passes of shuffled
+    minibatches (default `settings.local_epochs`), or exactly `steps` minibatches, drawing a new
+    pass whenever one is used up (`steps` wins when both are given)."""
+    params = trainable(modules) if params is None else list(params)
+    size = batch_size or settings.batch_size
+    passes = (
+        itertools.count()
+        if steps is not None
+        else range(settings.local_epochs if epochs is None else epochs)
+    )
+    batches: Iterable[Batch] = (b for _ in passes for b in shuffled_batches(x, y, size, generator))
+    if steps is not None:
+        batches = itertools.islice(batches, steps)
+    optimizer = make_optimizer(params, settings, lr)
+    return minibatch_loop(step, modules, batches, params, optimizer, settings.grad_clip)
 
 
 class ArrayBatches:
@@ -59,21 +152,11 @@ class ArrayBatches:
         """Batches in order, or shuffled by `generator`. With `targets`, the first `len(targets)`
         samples come paired with those per-sample targets instead of their labels."""
         y = self.y if targets is None else targets.to(self.x.device)
-        n = len(y)
-        order = (
-            torch.randperm(n, generator=generator).to(self.x.device)
-            if generator is not None
-            else None
-        )
-        for start in range(0, n, batch_size):
-            if order is None:
-                yield self.x[start : start + batch_size], y[start : start + batch_size]
-                continue
-            idx = order[start : start + batch_size]
-            # A trailing batch of one breaks BatchNorm in train mode; its sample is seen next epoch.
-            if len(idx) == 1 and n > 1:
-                continue
-            yield self.x[idx], y[idx]
+        if generator is not None:
+            yield from shuffled_batches(self.x[: len(y)], y, batch_size, generator)
+            return
+        for start in range(0, len(y), batch_size):
+            yield self.x[start : start + batch_size], y[start : start + batch_size]
 
 
 class LocalTrainer:
@@ -121,27 +204,21 @@ class LocalTrainer:
         split: str = "train",
         targets: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        epochs = self.settings.local_epochs if epochs is None else epochs
-        for m in modules:
-            m.train()
-        if params is None:
-            params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        params = list(params)
-        optimizer = make_optimizer(params, self.settings, lr)
-        total = torch.zeros((), device=self.device)
-        count = 0
-        for _ in range(epochs):
-            data = self.data(split)
-            for x, y in data.iterate(self.settings.batch_size, self.generator, targets):
-                loss = step(x, y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.settings.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
-                optimizer.step()
-                total += loss.detach() * len(y)
-                count += len(y)
-        return {"loss": float(total) / count if count else float("nan")}
+        data = self.data(split)
+        y = data.y if targets is None else targets.to(data.x.device)
+        return fit_tensors(
+            step,
+            modules,
+            data.x[: len(y)],
+            y,
+            self.settings,
+            epochs,
+            None,
+            params,
+            lr,
+            None,
+            self.generator,
+        )
 
 
 @torch.no_grad()

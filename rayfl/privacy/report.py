@@ -50,7 +50,7 @@ def markdown(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]]) 
     ]
     for label, r in refs.items():
         lines.append(
-            f"| {label} | {_protection(r)} | {r['alpha']} | - | "
+            f"| {label} | {_protection(r)} | {r['alpha']} | {r['noise'] or '-'} | "
             f"{_num(r['epsilon'])} | {_num(r['acc'])} |"
         )
     for r in sorted(trials, key=lambda r: (r["alpha"], r["noise"] or 0)):
@@ -92,10 +92,26 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", label=f"DP-FedAvg, alpha={alpha}")
-    styles = iter(["--", ":", "-.", (0, (5, 1))])
-    for label, r in refs.items():
-        if r["acc"] is not None:
-            ax.axhline(r["acc"], linestyle=next(styles, "--"), color="gray", label=label)
+    styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
+    colors = [plt.get_cmap("Dark2")(k) for k in range(8)]
+    for i, (label, r) in enumerate(refs.items()):
+        if r["acc"] is None:
+            continue
+        color = colors[i % len(colors)]
+        if math.isfinite(r["epsilon"]):  # a DP reference run is a point at its budget
+            ax.plot(
+                [r["epsilon"]],
+                [r["acc"]],
+                marker="*",
+                markersize=12,
+                color=color,
+                ls="",
+                label=label,
+            )
+        else:  # no DP: a level line (epsilon is infinite)
+            ax.axhline(
+                r["acc"], linestyle=styles[i % len(styles)], color=color, label=f"{label} (no DP)"
+            )
     ax.set_xscale("log")
     ax.set_xlabel("epsilon (client-level, at the run's delta)")
     ax.set_ylabel(ACC)
@@ -117,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trials = [r for d in sorted(args.trials.iterdir()) if (r := read_run(d)) is not None]
     refs: dict[str, dict[str, Any]] = {}
     for item in args.ref:
-        label, _, path = item.partition("=")
+        label, _, path = item.rpartition("=")  # labels may hold "=", run paths rarely do
         run = read_run(Path(path))
         if run is not None:
             refs[label] = run

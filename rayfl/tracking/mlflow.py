@@ -484,3 +484,29 @@ def mark_killed(run_id: str, tracking_uri: str | None = None) -> bool:
         logger.warning("could not mark MLflow run %s KILLED at %s: %s", run_id, uri, exc)
         return False
     return True
+
+
+def end_child_runs(
+    parent_run_id: str, tracking_uri: str | None = None, status: str = "KILLED"
+) -> int:
+    """End the child runs of `parent_run_id` still RUNNING with `status`; returns how many.
+
+    A sweep's trials that Tune stopped early (ASHA) or lost never close their own run. An
+    unreachable store is logged and ignored (the sweep's results are on disk too).
+    """
+    from mlflow import MlflowClient
+
+    status = check_status(status)
+    uri = tracking_uri or default_tracking_uri()
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        runs = client.search_runs(
+            [client.get_run(parent_run_id).info.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'",
+        )
+        for run in runs:
+            client.set_terminated(run.info.run_id, status)
+    except Exception as exc:
+        logger.warning("could not end the child runs of MLflow run %s: %s", parent_run_id, exc)
+        return 0
+    return len(runs)

@@ -11,6 +11,7 @@ from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerCont
 from rayfl.algorithms.fedgh import FedGHClient, FedGHParams, FedGHServer, train_header
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
+from tests.algorithms.fakes import FakeServerData
 
 RND = RoundContext(1, 2)  # round 1 of 2
 
@@ -24,7 +25,13 @@ def test_train_header_one_sgd_step_golden():
     nn.init.zeros_(header.bias)
     # one pair (x = [1, 0], class 0): p = (1/2, 1/2), grad W = (p - e0) x^T, grad b = p - e0
     loss = train_header(
-        header, torch.tensor([[1.0, 0.0]]), torch.tensor([0]), epochs=1, lr=1.0, batch_size=8
+        header,
+        FakeServerData(),
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([0]),
+        epochs=1,
+        lr=1.0,
+        batch_size=8,
     )
     assert loss == pytest.approx(math.log(2))
     torch.testing.assert_close(header.weight, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
@@ -41,14 +48,14 @@ def test_server_trains_on_the_round_prototypes_and_broadcasts_the_header():
     metrics = server.aggregate([Reply(0, "tiny_a", 3, a), Reply(1, "tiny_a", 3, b)], RND)
     assert metrics == {"fedgh/prototypes": 3.0}  # class 0 twice, class 1 once
     before = server.broadcast("tiny_a", RND)
-    out = server.update(None, RND)  # the header needs no server data
+    out = server.update(FakeServerData(), RND)  # trains on the uploaded prototypes only
     after = server.broadcast("tiny_a", RND)
     assert out["fedgh/header_loss"] < math.log(2)
     assert not np.allclose(before["weight"], after["weight"])
     header = nn.Linear(16, 2)
     header.load_state_dict({k: torch.from_numpy(v) for k, v in after.items()})
     assert header(torch.from_numpy(means)).argmax(1).tolist() == [0, 1]
-    assert server.update(None, RoundContext(2, 2)) == {}  # nothing new to train on
+    assert server.update(FakeServerData(), RoundContext(2, 2)) == {}  # nothing new to train on
 
 
 def test_frozen_header_client_keeps_the_global_header(synthetic_raw, tmp_path):

@@ -72,22 +72,55 @@ def test_svg_and_pdf_by_suffix(tmp_path) -> None:
     assert pdf.read_bytes()[:5] == b"%PDF-"
 
 
-def test_empty_history_still_writes_a_figure(tmp_path, caplog) -> None:
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plot functions save, in order (their axes, lines and points can fail)."""
+    from matplotlib.figure import Figure
+
+    figures: list[Figure] = []
+    save = Figure.savefig
+
+    def recording(self, *args, **kwargs):
+        figures.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording)
+    return figures
+
+
+def _texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+def test_empty_history_still_writes_a_figure(tmp_path, caplog, drawn) -> None:
     _assert_png(plots.plot_learning_curves([], tmp_path / "empty.png"))
     _assert_png(plots.plot_per_architecture([{"round": 1, "loss": 1.0}], tmp_path / "e2.png"))
     assert sum("no data" in r.getMessage() for r in caplog.records) == 2
+    for fig in drawn:
+        assert not any(ax.lines for ax in fig.axes)  # nothing plotted ...
+        assert any(t.startswith("no data") for ax in fig.axes for t in _texts(ax))  # ... said so
 
 
-def test_plot_compare(tmp_path) -> None:
+def test_plot_compare_draws_one_line_per_algorithm_without_non_finite_points(
+    tmp_path, drawn
+) -> None:
     curves = {
         "pfedes": [(1, 0.3), (2, 0.5), (3, 0.6)],
         "fedavg": [(1, 0.2), (2, math.inf), (3, 0.4)],
     }
     _assert_png(plots.plot_compare(curves, tmp_path / "cmp.png", ylabel="personal/acc"))
+    (fig,) = drawn
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.lines}
+    assert sorted(lines) == ["fedavg", "pfedes"]
+    assert list(lines["pfedes"].get_xdata()) == [1.0, 2.0, 3.0]
+    assert list(lines["pfedes"].get_ydata()) == [0.3, 0.5, 0.6]
+    assert list(lines["fedavg"].get_xdata()) == [1.0, 3.0]  # the inf at round 2 is left out
+    assert ax.get_ylabel() == "personal/acc" and ax.get_xlabel() == "round"
 
 
 @pytest.mark.parametrize("params", [["lr", "algorithm", "local_epochs"], []])
-def test_metric_vs_params_numeric_log_and_categorical(tmp_path, params) -> None:
+def test_metric_vs_params_numeric_log_and_categorical(tmp_path, params, drawn) -> None:
     rows = [
         {"lr": 1e-4, "algorithm": "fedavg", "local_epochs": 1, "personal/acc": 0.4},
         {"lr": 1e-3, "algorithm": "pfedes", "local_epochs": 2, "personal/acc": 0.6},
@@ -95,6 +128,21 @@ def test_metric_vs_params_numeric_log_and_categorical(tmp_path, params) -> None:
         {"lr": 1e-2, "algorithm": "fedfd", "personal/acc": None},  # no metric: left out
     ]
     _assert_png(plots.plot_metric_vs_params(rows, "personal/acc", params, tmp_path / "p.png"))
+    (fig,) = drawn
+    assert len(fig.axes) == max(1, len(params))  # one panel per parameter
+    if not params:
+        assert _texts(fig.axes[0]) == ["no data: personal/acc vs (none)"]
+        return
+    panels = {ax.get_xlabel(): ax for ax in fig.axes}
+    assert list(panels) == params
+    lr_points = panels["lr"].collections[0].get_offsets()
+    assert sorted(lr_points[:, 1].tolist()) == [0.4, 0.6, 0.7]  # three trials with the metric
+    assert panels["lr"].get_xscale() == "log"  # 1e-4 .. 1e-1 spans three decades
+    assert panels["local_epochs"].get_xscale() == "linear"
+    algo = panels["algorithm"]
+    assert [t.get_text() for t in algo.get_xticklabels()] == ["fedavg", "pfedes"]
+    means = algo.collections[1].get_offsets()  # the mean marker per category
+    assert means[:, 1].tolist() == pytest.approx([0.4, 0.65])
 
 
 def test_no_pyplot_state_is_created(tmp_path) -> None:

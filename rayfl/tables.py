@@ -1,0 +1,75 @@
+"""The one writer of result tables (rows of a run's metrics, a suite's runs, a sweep's trials).
+
+Rows are dicts; a column is every key seen in any row (first-seen order unless a `key` orders
+them), missing cells are nulls, and a column that mixes types (a grid of names and numbers) is
+written as text. Files are written to a temporary sibling and renamed into place, so a reader
+never sees half a table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rayfl.locking import temp_path
+
+
+def columns(rows: Sequence[Mapping[str, Any]], key: Callable[[str], Any] | None = None) -> Any:
+    """The rows as a `pyarrow.Table` (see the module docstring for the column rules)."""
+    import pyarrow as pa
+
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    ordered = sorted(names, key=key) if key is not None else list(names)
+    data: dict[str, Any] = {}
+    for name in ordered:
+        values = [row.get(name) for row in rows]
+        try:
+            data[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            data[name] = pa.array([None if v is None else str(v) for v in values])
+    return pa.table(data)
+
+
+def write_table(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    csv: bool = False,
+    key: Callable[[str], Any] | None = None,
+) -> list[Path]:
+    """Write `rows` to `path` as Parquet (and beside it as CSV with `csv=True`).
+
+    Args:
+        rows: one dict per row.
+        path: the Parquet file; its suffix is replaced by `.parquet` / `.csv`.
+        csv: also write the CSV twin (suites, for spreadsheets).
+        key: sort key of the column names (default: first-seen order).
+
+    Returns:
+        The files written, CSV first when there is one.
+    """
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    table = columns(rows, key)
+    target = Path(path).with_suffix(".parquet")
+    written = [target]
+    _atomic(target, lambda tmp: pq.write_table(table, tmp))
+    if csv:
+        twin = target.with_suffix(".csv")
+        _atomic(twin, lambda tmp: pacsv.write_csv(table, tmp))
+        written.insert(0, twin)
+    return written
+
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,151 @@
+"""What a sweep produced: one row per trial, the best trial's config, the text report and plot."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayfl.config import (
+    to_dict,
+)
+from rayfl.tables import write_table
+from rayfl.tune.sweep import Sweep, _native
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class SweepResult:
+    """What a sweep produced (also written under `out`)."""
+
+    sweep: Sweep
+    out: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    best_config_path: Path | None = None
+    parent_run_id: str | None = None
+    tracking_uri: str | None = None
+    wall_s: float = 0.0
+
+
+def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
+    """One row per trial: trial, swept values, metric (last reported), rounds, status, error."""
+    metric = sweep.tune.metric
+    rounds = sweep.config.engine.rounds
+    rows = []
+    for result in grid:
+        metrics = result.metrics or {}
+        name = Path(result.path).name if result.path else str(metrics.get("trial_id", "?"))
+        row: dict[str, Any] = {"trial": name}
+        for key in sweep.space:
+            row[key] = _native(result.config.get(key)) if result.config else None
+        value = metrics.get(metric)
+        row[metric] = float(value) if value is not None else None
+        row["rounds"] = int(metrics.get("round", 0))
+        wanted = int(result.config.get("engine.rounds", rounds)) if result.config else rounds
+        if result.error is not None:
+            row["status"] = "error"
+            row["error"] = (
+                str(result.error).strip().splitlines()[-1][:300]
+                if str(result.error).strip()
+                else type(result.error).__name__
+            )
+        else:
+            row["status"] = "done" if row["rounds"] >= wanted else "stopped"
+            row["error"] = ""
+        rows.append(row)
+    rows.sort(key=lambda r: r["trial"])
+    return rows
+
+
+def _best(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    scored = [
+        r
+        for r in rows
+        if r["status"] != "error" and r[metric] is not None and math.isfinite(r[metric])
+    ]
+    if not scored:
+        return None
+    pick = max if mode == "max" else min
+    return pick(scored, key=lambda r: r[metric])
+
+
+def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
+    """The trials' rows as Parquet (`rayfl.tables`: a column mixing types is written as text)."""
+    return write_table(rows, path)[0]
+
+
+def write_best_config(result: SweepResult) -> Path:
+    """The best trial's experiment as YAML that `rayfl run` loads unchanged."""
+    assert result.best is not None
+    sweep, best = result.sweep, result.best
+    values = {k: best[k] for k in sweep.space}
+    cfg = sweep.config_for(values)
+    path = result.out / "best_config.yaml"
+    chosen = ", ".join(f"{k}={v}" for k, v in values.items())
+    header = (
+        f"# Best trial {best['trial']} of sweep {sweep.name} ({sweep.path}):\n"
+        f"#   {sweep.tune.metric} = {best[sweep.tune.metric]:.4f} ({sweep.tune.mode}) with {chosen}\n"
+        f"# Base experiment {sweep.base} with the sweep's overrides and these values.\n"
+        f"#   rayfl run {path}\n"
+    )
+    path.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if math.isfinite(value) else str(value)
+    return "-" if value is None else str(value)
+
+
+def format_results(result: SweepResult) -> str:
+    """The printed report: a table of trials, the best trial, where the outputs are."""
+    sweep, rows = result.sweep, result.rows
+    metric = sweep.tune.metric
+    cols = ["trial", *sweep.space, metric, "rounds", "status"]
+    cells = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "stopped", "error")}
+    lines = [
+        f"sweep {sweep.name}: {len(rows)} trials ({counts['done']} done, {counts['stopped']} stopped early, "
+        f"{counts['error']} failed), {metric} ({sweep.tune.mode}), {result.wall_s:.1f} s"
+    ]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells]
+    for r in rows:
+        if r["status"] == "error":
+            lines.append(f"  {r['trial']} failed: {r['error']}")
+    if result.best is not None:
+        chosen = ", ".join(f"{k}={_fmt(result.best[k])}" for k in sweep.space)
+        lines.append(
+            f"best: {result.best['trial']} {metric}={result.best[metric]:.4f} with {chosen}"
+        )
+        lines.append(
+            f"best config: {result.best_config_path}  (rayfl run {result.best_config_path})"
+        )
+    lines.append(f"results: {result.out / 'results.parquet'}")
+    if result.parent_run_id:
+        lines.append(
+            f"MLflow parent run {result.parent_run_id} in experiment "
+            f"{sweep.config.tracking.experiment} at {result.tracking_uri}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(result: SweepResult) -> Path:
+    from rayfl.tracking.plots import plot_metric_vs_params
+
+    return plot_metric_vs_params(
+        [r for r in result.rows if r["status"] != "error"],
+        result.sweep.tune.metric,
+        list(result.sweep.space),
+        result.out / "metric_vs_params.png",
+    )

@@ -1,0 +1,270 @@
+"""Running a sweep: the Tune `Tuner`, the MLflow parent run, resume, outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayfl.errors import UserError
+from rayfl.tune.report import (
+    SweepResult,
+    _best,
+    _collect,
+    _plot,
+    format_results,
+    write_best_config,
+    write_results,
+)
+from rayfl.tune.sweep import Sweep, TuneSettings, load_sweep, search_space
+from rayfl.tune.trial import (
+    TrialJob,
+    _check_fits,
+    _max_rounds,
+    _ResourcesFor,
+    _trainable,
+    _trial_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- MLflow parent run
+
+
+class ParentRun:
+    """The sweep's MLflow parent run, written through the `Tracker` protocol like every run
+    (`rayfl.tracking.mlflow.MlflowTracker`); reopened, not duplicated, when the sweep resumes.
+
+    Its params are the search space (`space.<key>`, JSON), the `tune:` settings (`tune.<key>`),
+    the base file and the overrides; trials log child runs under it (`mlflow.parentRunId`).
+    """
+
+    def __init__(self, sweep: Sweep, uri: str, run_id: str | None) -> None:
+        from rayfl.tracking import make_tracker
+
+        self.uri = uri
+        self.tracker = make_tracker(
+            "mlflow",
+            experiment=sweep.config.tracking.experiment,
+            run_name=sweep.name,
+            tracking_uri=uri,
+            tags={"rayfl.sweep": sweep.name, "rayfl.base": str(sweep.base)},
+            run_id=run_id,
+        )
+        self.run_id: str = str(getattr(self.tracker, "run_id", ""))
+        if self.run_id != run_id:  # a new parent run (not a reopened one): log what it sweeps
+            self.tracker.log_config(
+                {
+                    "space": {k: json.dumps(v) for k, v in sweep.space.items()},
+                    "tune": dataclasses.asdict(sweep.tune),
+                    "base": str(sweep.base),
+                    "overrides": " ".join(sweep.overrides),
+                }
+            )
+
+    def log_artifacts(self, paths: Sequence[Path]) -> None:
+        for path in paths:
+            self.tracker.log_artifact(path)
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self.tracker.log_metrics(metrics, step=0)
+
+    def close(self, status: str) -> None:
+        from rayfl.tracking.mlflow import end_child_runs
+
+        # Trials that Tune stopped (ASHA) or lost end without closing their child run.
+        end_child_runs(self.run_id, self.uri, "KILLED")
+        self.tracker.close(status)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def default_out(sweep: Sweep) -> Path:
+    return Path("runs") / "sweeps" / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _absolute_uri(uri: str | None) -> str:
+    """Trials run in their own directories: a relative SQLite path must become absolute."""
+    from rayfl.tracking.base import default_tracking_uri
+
+    uri = uri or default_tracking_uri()
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((Path.cwd() / uri[len(prefix) :]).resolve())
+    return uri
+
+
+def run_sweep(
+    path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
+) -> str:
+    """Run a sweep on Ray Tune and return the printed report (see the module doc).
+
+    Joins the Ray that is already initialized, else `engine.address` of the base experiment, else
+    starts a private local Ray (shut down at the end).
+
+    Raises:
+        ConfigError: The sweep file is invalid.
+        UserError: A trial cannot fit the local Ray, `out` holds another sweep, or every trial failed.
+    """
+    return sweep_and_report(path, overrides, out)[1]
+
+
+def sweep_and_report(
+    path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
+) -> tuple[SweepResult, str]:
+    """`run_sweep`, also returning the structured result."""
+    import ray
+
+    from rayfl.engine.executor import init_ray
+
+    sweep = load_sweep(path, overrides)
+    out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
+    e = sweep.config.engine
+    started = init_ray(e.address, e.ray_num_cpus)
+    try:
+        result = _run(sweep, out_dir, strict_fit=started and not e.address)
+    finally:
+        if started:
+            ray.shutdown()
+    return result, format_results(result)
+
+
+def tune_storage(t: TuneSettings, out: Path) -> str:
+    """Tune's `RunConfig(storage_path=...)`: `tune.storage` (a path or a URI such as
+    s3://bucket/prefix, which outlives the cluster's nodes), else `<out>/tune`."""
+    return t.storage or str(out / "tune")
+
+
+def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    t = sweep.tune
+    storage = tune_storage(t, out)
+    exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
+    state_path = out / "sweep.json"
+    restoring = tune.Tuner.can_restore(str(exp_dir))
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if restoring and not t.resume:
+        raise UserError(
+            f"{exp_dir} already holds sweep {sweep.name}; pass tune.resume=true to continue it or choose another --out"
+        )
+    fingerprint = json.loads(json.dumps(sweep.fingerprint(), default=str))
+    if restoring and state.get("fingerprint") not in (None, fingerprint):
+        raise UserError(
+            f"{out} holds sweep {sweep.name} with another space, base or settings; resume it unchanged or choose another --out"
+        )
+    _check_fits(sweep, strict=strict_fit)
+    out.mkdir(parents=True, exist_ok=True)
+
+    parent: ParentRun | None = None
+    uri: str | None = None
+    if sweep.config.tracking.backend == "mlflow":
+        uri = _absolute_uri(sweep.config.tracking.uri)
+        _warn_sqlite_on_cluster(uri)
+        # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
+        parent = ParentRun(sweep, uri, state.get("parent_run_id") if restoring else None)
+    state = {"fingerprint": fingerprint, "parent_run_id": parent.run_id if parent else None}
+    state_path.write_text(json.dumps(state, indent=2))
+    (out / "sweep.yaml").write_text(yaml.safe_dump(fingerprint, sort_keys=False))
+
+    root = sweep.config.data.root
+    job = TrialJob(
+        sweep=sweep,
+        out=out,
+        tracking_uri=uri,
+        parent_run_id=parent.run_id if parent else None,
+        data_root=str(Path(root).expanduser().resolve()) if root else None,
+    )
+    trainable = tune.with_resources(
+        tune.with_parameters(_trainable, job=job),
+        resources=_ResourcesFor(sweep),
+    )
+    started = time.perf_counter()
+    status = "FAILED"
+    try:
+        if restoring:
+            log.info("resuming sweep %s from %s", sweep.name, exp_dir)
+            tuner = tune.Tuner.restore(
+                str(exp_dir), trainable, resume_unfinished=True, resume_errored=True
+            )
+        else:
+            scheduler = None
+            if t.scheduler == "asha":
+                scheduler = ASHAScheduler(
+                    time_attr="round",
+                    max_t=_max_rounds(sweep),
+                    grace_period=t.grace_period,
+                    reduction_factor=t.reduction_factor,
+                )
+            tuner = tune.Tuner(
+                trainable,
+                param_space=search_space(sweep.space),
+                tune_config=tune.TuneConfig(
+                    metric=t.metric,
+                    mode=t.mode,
+                    num_samples=t.num_samples,
+                    scheduler=scheduler,
+                    # The generator's own limit: Tune ignores max_concurrent_trials next to it.
+                    search_alg=BasicVariantGenerator(
+                        max_concurrent=t.max_concurrent, random_state=t.seed
+                    ),
+                    trial_name_creator=_trial_name,
+                    trial_dirname_creator=_trial_name,
+                ),
+                run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=t.verbose),
+            )
+        grid = tuner.fit()
+        result = SweepResult(sweep, out, rows=_collect(grid, sweep))
+        result.wall_s = time.perf_counter() - started
+        result.parent_run_id = parent.run_id if parent else None
+        result.tracking_uri = uri
+        result.best = _best(result.rows, t.metric, t.mode)
+        if not result.rows:
+            raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
+        write_results(result.rows, out / "results.parquet")
+        if result.best is None:
+            first = next(
+                (r["error"] for r in result.rows if r["error"]), "no trial reported the metric"
+            )
+            raise UserError(
+                f"sweep {sweep.name}: every trial failed ({first}); trial logs are under {exp_dir}"
+            )
+        result.best_config_path = write_best_config(result)
+        artifacts = [out / "results.parquet", result.best_config_path, out / "sweep.yaml"]
+        artifacts.append(_plot(result))
+        if parent is not None:
+            parent.log_artifacts(artifacts)
+            parent.log_metrics(
+                {f"best/{t.metric}": result.best[t.metric], "trials": len(result.rows)}
+            )
+        status = "FINISHED"
+        return result
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if parent is not None:
+            parent.close(status)
+
+
+def _warn_sqlite_on_cluster(uri: str) -> None:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if uri.startswith("sqlite:") and len(nodes) > 1:
+        log.warning(
+            "tracking.uri %s is a SQLite file but the cluster has %d nodes: trials on other nodes write "
+            "to their own copy; run an MLflow server and set tracking.uri=http://<head>:5000",
+            uri,
+            len(nodes),
+        )

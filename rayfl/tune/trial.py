@@ -1,0 +1,184 @@
+"""One trial: its experiment, its placement-group bundles, and Tune's function trainable that
+runs one simulation and reports every evaluated round."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rayfl.config import (
+    RunConfig,
+)
+from rayfl.engine.callbacks import Callback
+from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.tune.sweep import Sweep, _probe_values
+
+log = logging.getLogger(__name__)
+
+
+def trial_workers(cfg: RunConfig) -> int:
+    """Worker actors of one trial with engine.executor=ray: engine.num_workers, else 1."""
+    return cfg.engine.num_workers or 1
+
+
+def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
+    """The placement-group bundles one trial reserves.
+
+    With `engine.executor=serial` the trial process trains every client itself, so it reserves one
+    worker's resources. With `ray` it reserves `trial_cpus` for its own (mostly waiting) process,
+    one bundle per worker actor, and one for the server actor when that asks for resources; the
+    actors the trial starts land in these bundles, so concurrent trials never oversubscribe.
+
+    Example:
+        >>> from rayfl.config import build_config
+        >>> cfg = build_config({"algorithm": {"name": "local"}}, ["engine.num_workers=2"])
+        >>> trial_bundles(cfg, 0.5)
+        [{'CPU': 0.5}, {'CPU': 1.0}, {'CPU': 1.0}]
+    """
+    e = cfg.engine
+
+    def bundle(res: Any) -> dict[str, float]:
+        return {k: float(v) for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+
+    if e.executor == "serial":
+        return [bundle(e.worker_resources)]
+    bundles = [{"CPU": float(trial_cpus)}]
+    bundles += [bundle(e.worker_resources) for _ in range(trial_workers(cfg))]
+    server = bundle(e.server_resources)
+    if server:
+        bundles.append(server)
+    return bundles
+
+
+def _trial_resources(sweep: Sweep, config: dict[str, Any]) -> Any:
+    from ray import tune
+
+    return tune.PlacementGroupFactory(
+        trial_bundles(sweep.config_for(config), sweep.tune.trial_cpus)
+    )
+
+
+def _check_fits(sweep: Sweep, strict: bool) -> None:
+    """Refuse (strict: a private local Ray) or warn when one trial cannot fit the cluster."""
+    import ray
+
+    bundles = trial_bundles(sweep.config, sweep.tune.trial_cpus)
+    total = ray.cluster_resources()
+    for res in ("CPU", "GPU"):
+        need = sum(b.get(res, 0.0) for b in bundles)
+        have = total.get(res, 0.0)
+        if need > have + 1e-9:
+            msg = (
+                f"one trial reserves {need:g} {res} ({len(bundles)} bundles: {bundles}) but the cluster has "
+                f"{have:g}; lower engine.num_workers or engine.worker_resources, or use engine.executor=serial"
+            )
+            if strict:
+                raise UserError(msg)
+            log.warning("%s; Tune waits for the autoscaler to add nodes", msg)
+
+
+# --------------------------------------------------------------------------- trials
+
+
+class TuneReport(Callback):
+    """Reports every evaluated round's metrics to Tune (ASHA stops trials by `round`).
+
+    Rounds without the ranking metric (engine.eval_every > 1) are not reported: Tune refuses
+    results without it. Missing at the last round means a wrong `tune.metric`: that is an error.
+    """
+
+    def __init__(self, metric: str, report: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.metric = metric
+        self._report = report
+
+    def on_round_end(self, sim: Any, round_idx: int, metrics: dict[str, float]) -> None:
+        if self.metric not in metrics:
+            if round_idx >= sim.cfg.engine.rounds:
+                raise ConfigError(
+                    f"tune.metric: {self.metric!r} is not a metric of this run{suggest(self.metric, metrics)}; "
+                    f"available: {', '.join(sorted(metrics))}"
+                )
+            return
+        report = self._report
+        if report is None:
+            from ray import tune
+
+            report = tune.report
+        result = {k: float(v) for k, v in metrics.items()}
+        result["round"] = float(round_idx)
+        report(result)
+
+
+@dataclass(frozen=True)
+class TrialJob:
+    """Everything a trial needs, shipped to it once through the object store."""
+
+    sweep: Sweep
+    out: Path
+    tracking_uri: str | None  # None: trials do not track
+    parent_run_id: str | None
+    data_root: str | None  # made absolute on the driver (trials run in their own directories)
+
+
+def trial_config(job: TrialJob, values: Mapping[str, Any], trial_name: str) -> RunConfig:
+    """One trial's experiment: the swept values plus what a trial must have (tracking, workers)."""
+    cfg = job.sweep.config_for(values)
+    extra: dict[str, Any] = {"tracking.run_name": trial_name}
+    if job.tracking_uri is None:
+        extra["tracking.backend"] = "none"
+    else:
+        extra["tracking.backend"] = "mlflow"
+        extra["tracking.uri"] = job.tracking_uri
+    if job.data_root is not None:
+        extra["data.root"] = job.data_root
+    if cfg.engine.executor == "ray":
+        # The worker count must match the bundles reserved for this trial; the trial joins the
+        # running Ray (engine.address is ignored once Ray is initialized).
+        extra["engine.num_workers"] = trial_workers(cfg)
+    return job.sweep.config_for({**values, **extra})
+
+
+def _trainable(config: dict[str, Any], job: TrialJob) -> None:
+    """Tune's function trainable: one simulation, reporting after every evaluated round."""
+    from ray import tune
+
+    from rayfl.engine.checkpoint import has_checkpoint
+    from rayfl.launch import simulate
+
+    name = tune.get_context().get_trial_name()
+    cfg = trial_config(job, config, name)
+    run_dir = job.out / "trials" / name
+    # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
+    resume = has_checkpoint(run_dir)
+    simulate(
+        cfg,
+        run_dir,
+        progress=False,
+        resume=resume,
+        parent_run_id=job.parent_run_id,
+        extra_callbacks=[TuneReport(job.sweep.tune.metric)],
+    )
+
+
+def _trial_name(trial: Any) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+class _ResourcesFor:
+    """Picklable `config -> PlacementGroupFactory` (Tune stores it with the experiment)."""
+
+    def __init__(self, sweep: Sweep) -> None:
+        self.sweep = sweep
+
+    def __call__(self, config: dict[str, Any]) -> Any:
+        return _trial_resources(self.sweep, config)
+
+
+def _max_rounds(sweep: Sweep) -> int:
+    spec = sweep.space.get("engine.rounds")
+    if spec is None:
+        return sweep.config.engine.rounds
+    return int(max(_probe_values(spec)))
