@@ -343,12 +343,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 
 def _number(value: float, key: str) -> Any:
-    """Every number in the schema is finite and >= 0; `RANGES` and the algorithms' own checks
-    narrow that further."""
+    """Every number in the schema is finite (and >= 0, see `from_dict`)."""
     if not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number (got {value!r})")
-    if value < 0:
-        raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
     return value
 
 
@@ -380,7 +377,16 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     ]
     if missing:
         raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
-    return cls(**kwargs)
+    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
+    _non_negative(kwargs, prefix)
+    return obj
+
+
+def _non_negative(values: Mapping[str, Any], prefix: str) -> None:
+    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
+    for name, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -530,6 +536,7 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunCo
     for key, value in rest.items():
         if key != "algorithm":
             kwargs[key] = _convert(value, hints[key], key)
+    _non_negative(kwargs, "")
     cfg = RunConfig(**kwargs)
     check(cfg)
     return cfg
