@@ -478,6 +478,18 @@ def server_acc_keys(agg: Mapping[str, Any]) -> list[str]:
     return sorted(k for k in keys if k.count("/") == 1 and k != PERSONAL)
 
 
+PROTOCOLS = {
+    "deployed": "every client, after the server step, with the model it would deploy",
+    "after_fit": "the round's participants, right after local training",
+}
+
+
+def protocol_line(suite: Suite) -> str:
+    """Which evaluation protocol (`eval.protocol`) made a suite's personalized accuracies."""
+    used = sorted({run.config.eval.protocol for run in suite.runs})
+    return "evaluation protocol: " + "; ".join(f"{p} ({PROTOCOLS[p]})" for p in used)
+
+
 GAIN = "baseline/gain_points"
 
 
@@ -543,7 +555,8 @@ def format_results(
     lines = [
         f"suite {suite.name}: {len(suite.runs)} runs ({len(suite.labels)} algorithms x {len(suite.seeds)} seeds"
         f"{f' x {len(suite.settings)} settings' if suite.settings != [''] else ''}); "
-        f"final round, {spread} {suite.seeds}; wall time {wall_s:.0f} s"
+        f"final round, {spread} {suite.seeds}; wall time {wall_s:.0f} s",
+        protocol_line(suite),
     ]
     for setting in suite.settings:
         rows = [r for r in results if r["setting"] == setting]

@@ -118,21 +118,29 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """What personalized accuracy measures (README, "Metrics"), and what else the engine scores.
+
+    `deployed` (the field's protocol: HtFLlib, PFLlib, FL-bench): every `engine.eval_every`
+    rounds, after the server step, every client (participant or not, with its last state; a
+    client never trained with its initial weights) scores the model it would deploy now, given
+    the server's new broadcast. `after_fit`: the round's participants right after local training,
+    with what they hold then (cheaper; rayfl's protocol before 2026-12).
+    """
+
+    protocol: Literal["deployed", "after_fit"] = "deployed"
+    # Also train a plain cross-entropy copy of every client's model (same initial weights, seeds
+    # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
+    # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
+    local_baseline: bool = False
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     backend: Literal["mlflow", "stdout", "none"] = "mlflow"
     experiment: str = "rayfl"
     run_name: str | None = None
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What the engine scores besides the algorithm's own metrics."""
-
-    # Also train a plain cross-entropy copy of every client's model (same initial weights, seeds
-    # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
-    # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
-    local_baseline: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,8 +191,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 

@@ -114,6 +114,7 @@ def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
         path, ["tracking.backend=mlflow", f"tracking.uri={uri}"], out=out, progress=False
     )
     assert "suite tiny: 4 runs" in table and "proto" in table and "±" in table
+    assert "evaluation protocol: deployed (every client, after the server step" in table
     assert "personalized accuracy per architecture group" in table
 
     results = pq.read_table(out / "results.parquet").to_pylist()
@@ -172,16 +173,21 @@ def test_algorithms_of_a_suite_share_the_partition(tmp_path):
     [
         ("suites/pfedes_paper_fmnist.yaml", 27),
         ("suites/seed3_fmnist.yaml", None),
+        ("suites/pfedes_vs_baselines_fmnist.yaml", 66),
+        ("suites/fedfd_fmnist.yaml", 9),
         ("paper/pfedes_cifar10.yaml", None),
         ("paper/pfedes_cifar100.yaml", None),
     ],
 )
 def test_shipped_suites_load(name, runs):
     import rayfl.algorithms.fd
+    import rayfl.algorithms.fedfd
     import rayfl.algorithms.fedgh
     import rayfl.algorithms.fedkd
     import rayfl.algorithms.fedmd
+    import rayfl.algorithms.fedtgp
     import rayfl.algorithms.fml
+    import rayfl.algorithms.heterofl
     import rayfl.algorithms.lg_fedavg  # noqa: F401
 
     suite = load_suite(ROOT / "experiments" / name)
@@ -193,3 +199,12 @@ def test_shipped_suites_load(name, runs):
     for run in suite.runs:
         data.setdefault((run.setting, run.seed), set()).add(repr(run.config.data))
     assert all(len(v) == 1 for v in data.values())
+
+
+def test_the_table_names_the_evaluation_protocol(tmp_path):
+    from rayfl.compare import format_results
+
+    path = write_suite(tmp_path)
+    suite = load_suite(path, ["eval.protocol=after_fit"])
+    table = format_results(suite, [], 1.0)
+    assert "evaluation protocol: after_fit (the round's participants" in table

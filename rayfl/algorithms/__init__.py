@@ -10,6 +10,7 @@ from rayfl.algorithms import (  # noqa: F401  (registration)
     fedmd,
     fedproto,
     fedprox,
+    fedtgp,
     fml,
     heterofl,
     lg_fedavg,

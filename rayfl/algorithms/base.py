@@ -105,10 +105,13 @@ class Trainer(Protocol):
         lr: float | None = None,
         split: str = "train",
         targets: torch.Tensor | None = None,
+        module_lrs: Sequence[float | None] | None = None,
     ) -> dict[str, float]:
         """Train `modules` (set to train mode) for `epochs` over shuffled batches of `split` with
         `step(x, y)`'s loss. With `targets`, the first `len(targets)` samples of the split are
-        used, each paired with its row of `targets` as `y` (distillation to per-sample scores)."""
+        used, each paired with its row of `targets` as `y` (distillation to per-sample scores).
+        `module_lrs`, aligned with `modules`, gives a module its own learning rate (None: `lr`).
+        With `train.grad_clip`, each module's gradient is clipped on its own."""
         ...
 
     def batches(self, split: str = "train", shuffle: bool = False) -> Iterator[Batch]:
@@ -186,6 +189,19 @@ class Client(Generic[P]):
     def eval_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Extra per-batch metrics (means over the batch), averaged by the engine."""
         return {}
+
+    def deployed_model(self, payload: Payload, rnd: RoundContext) -> nn.Module:
+        """The model this client would deploy now, given the server's latest broadcast.
+
+        Used by the `deployed` evaluation protocol: after the server step, the engine loads the
+        client's stored state, calls this with the new broadcast, scores the result on the
+        client's test split and discards the loaded state (it is never stored back). Default:
+        take the payload as at the start of a round (`receive`), then `eval_model()`; e.g.
+        LG-FedAvg and FedGH deploy their own extractor with the received global head. `rnd` is
+        the round whose server step produced `payload`.
+        """
+        self.receive(payload, rnd)
+        return self.eval_model()
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> Payload:

@@ -18,7 +18,8 @@ smaller than the dense matrix. The paper also anneals the threshold and compress
 here the threshold is fixed and the downlink is the dense mentee.
 
 Shares: the mentee's update (dense or SVD-compressed) up, the global mentee down.
-Keeps local: the mentor (the personalized model).
+Keeps local: the mentor (the personalized model). The mentee defaults to the federation's
+architecture with the fewest parameters (`rayfl.algorithms.fml.shared_arch`).
 Server: sample-weighted average of the mentee updates added to the global mentee (`mentee/acc`).
 """
 
@@ -45,7 +46,7 @@ from rayfl.algorithms.base import (
     load_numpy,
     to_numpy,
 )
-from rayfl.algorithms.fml import check_shared_arch
+from rayfl.algorithms.fml import check_shared_arch, shared_arch
 from rayfl.algorithms.functional import svd_compress, svd_decompress
 from rayfl.errors import require
 from rayfl.models import build_model
@@ -54,7 +55,7 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class FedKDParams:
-    mentee: str = "mlp"  # architecture of the shared mentee; mlp runs on any input shape
+    mentee: str | None = None  # shared mentee architecture; None: the family's smallest
     T: float = 1.0  # distillation temperature
     svd_energy: float | None = None  # e.g. 0.95: SVD-compress mentee updates keeping this energy
 
@@ -83,7 +84,9 @@ def adaptive_losses(
 class FedKDClient(ModelClient[FedKDParams]):
     def __init__(self, ctx: ClientContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
-        self.mentee = build_model(params.mentee, ctx.in_shape, ctx.num_classes)
+        archs = ctx.family_archs or (ctx.arch,)
+        mentee = shared_arch(params.mentee, archs, ctx.in_shape, ctx.num_classes)
+        self.mentee = build_model(mentee, ctx.in_shape, ctx.num_classes)
         self.received: Payload = {}
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
@@ -107,7 +110,8 @@ class FedKDClient(ModelClient[FedKDParams]):
 class FedKDServer(Server[FedKDParams]):
     def __init__(self, ctx: ServerContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
-        self.mentee = build_model(params.mentee, ctx.in_shape, ctx.num_classes).to(ctx.device)
+        mentee = shared_arch(params.mentee, ctx.architectures, ctx.in_shape, ctx.num_classes)
+        self.mentee = build_model(mentee, ctx.in_shape, ctx.num_classes).to(ctx.device)
 
     def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
         return to_numpy(self.mentee.state_dict())

@@ -12,16 +12,19 @@ are compared across architectures, so every model must have the same feature siz
 
 Shares: per-class mean features and per-class counts up (`C x (D + 1)` floats); the global
 prototypes down.
-Keeps local: the whole model (the personalized model is scored by its own head).
+Keeps local: the whole model. It deploys its own head (`predict: head`) or, as in the paper,
+the class of the nearest global prototype (`predict: prototype`).
 Server: per-class average of the client prototypes, weighted by their class counts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
@@ -39,6 +42,9 @@ from rayfl.registry import ALGORITHMS
 @dataclass(frozen=True)
 class FedProtoParams:
     lam: float = 1.0  # weight of the prototype distance (the paper's lambda; official default 1)
+    # what the client deploys: its own head, or the nearest global prototype (the paper's and
+    # the official code's inference; HtFLlib scores FedProto this way)
+    predict: Literal["head", "prototype"] = "head"
 
     def __post_init__(self) -> None:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
@@ -61,6 +67,11 @@ class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
                 features, y, self.global_protos, self.global_counts
             )
         return loss
+
+    def eval_model(self) -> nn.Module:
+        if self.params.predict == "prototype":
+            return protos.NearestPrototype(self.model, self.global_protos, self.global_counts)
+        return self.model
 
 
 class FedProtoServer(protos.ClassTableServer[FedProtoParams]):

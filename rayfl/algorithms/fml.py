@@ -9,14 +9,16 @@ deep mutual learning on each batch:
 Each KL has the other model's logits as a fixed target (detached), so the private loss trains
 only the private model and the meme loss only the meme; both are optimized together.
 
-Shares: the meme model's parameters (any registered architecture, `meme`; default `mlp`, which
-runs on any input shape).
+Shares: the meme model's parameters (any registered architecture, `meme`; default: the
+federation's architecture with the fewest parameters, e.g. `cnn5` in the cnn5 family).
 Keeps local: the private model (the personalized model).
 Server: sample-weighted average of the memes (scored on the server test set as `meme/acc`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,18 +43,39 @@ from rayfl.models.zoo import AUXILIARY_MODELS
 from rayfl.registry import ALGORITHMS, MODELS
 
 
-def check_shared_arch(name: str, key: str) -> None:
-    """A shared model must be a registered classifier (not e.g. the image-to-image `proxy_input`)."""
+def check_shared_arch(name: str | None, key: str) -> None:
+    """A shared model must be a registered classifier (not e.g. the image-to-image `proxy_input`);
+    None stands for the family's smallest architecture (`shared_arch`)."""
     require(
-        name in MODELS and name not in AUXILIARY_MODELS,
+        name is None or (name in MODELS and name not in AUXILIARY_MODELS),
         key,
-        f"{name!r} is not a registered classifier; pick one from `rayfl ls` (e.g. mlp, cnn_small)",
+        f"{name!r} is not a registered classifier; pick one from `rayfl ls` (e.g. mlp, cnn_small) "
+        "or null for the family's smallest",
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _num_params(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
+    # fork_rng: counting must not consume the caller's random stream (a cache hit would not)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(arch, in_shape, num_classes)
+    return sum(p.numel() for p in model.parameters())
+
+
+def shared_arch(
+    name: str | None, archs: Sequence[str], in_shape: tuple[int, ...], num_classes: int
+) -> str:
+    """The architecture of a shared model (FML's meme, FedKD's mentee): `name`, or with None the
+    federation's own architecture with the fewest parameters (ties: the first name), so that a
+    CNN family shares one of its CNNs (e.g. `cnn5` in family cnn5) and not an MLP."""
+    if name is not None:
+        return name
+    return min(sorted(archs), key=lambda a: _num_params(a, tuple(in_shape), num_classes))
 
 
 @dataclass(frozen=True)
 class FMLParams:
-    meme: str = "mlp"  # architecture of the shared meme model; mlp runs on any input shape
+    meme: str | None = None  # shared meme architecture; None: the family's smallest (shared_arch)
     alpha: float = 0.5  # private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5
     beta: float = 0.5  # meme: weight of CE (1 - beta on the KL to the private model); paper 0.5
     T: float = 1.0  # KL temperature (the paper uses plain softmax, T = 1)
@@ -80,7 +103,9 @@ def mutual_losses(
 class FMLClient(ModelClient[FMLParams]):
     def __init__(self, ctx: ClientContext, params: FMLParams) -> None:
         super().__init__(ctx, params)
-        self.meme = build_model(params.meme, ctx.in_shape, ctx.num_classes)
+        archs = ctx.family_archs or (ctx.arch,)
+        meme = shared_arch(params.meme, archs, ctx.in_shape, ctx.num_classes)
+        self.meme = build_model(meme, ctx.in_shape, ctx.num_classes)
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.meme, payload)
@@ -100,7 +125,8 @@ class FMLServer(AveragingServer[FMLParams]):
     name = "meme"
 
     def __init__(self, ctx: ServerContext, params: FMLParams) -> None:
-        super().__init__(ctx, params, build_model(params.meme, ctx.in_shape, ctx.num_classes))
+        meme = shared_arch(params.meme, ctx.architectures, ctx.in_shape, ctx.num_classes)
+        super().__init__(ctx, params, build_model(meme, ctx.in_shape, ctx.num_classes))
 
 
 ALGORITHMS.add(

@@ -1,14 +1,21 @@
 """pFedES: Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
 Personalized Federated Learning" (AAAI 2025; arXiv 2311.06879).
 
-Two variants (see ALGORITHMS.md):
+Two variants (see ALGORITHMS.md), one client class each, chosen by `algorithm.variant` through
+the `VARIANTS` table (a new variant is one `register_variant` call):
 - `kd` (the design document's, default): each client trains its private local model with CE and a
   small global proxy CNN by distilling the local model's detached logits into it
   (`ce + alpha * T^2 KL(proxy || local.detach())`). Optional return path `beta`: the local model also
   distils from the frozen proxy received this round (a fixed teacher, so the two do not chase).
+  `proxy_lr` gives the proxy its own learning rate; then alpha weights the reported loss only
+  and the proxy steps by `proxy_lr` times the gradient of its unweighted KD loss.
 - `input` (the official code): a tiny image-to-image proxy G before the local model F. Stage 1
   trains F on `(1-mu) CE(F(x)) + mu CE(F(G(x)))` with G frozen; stage 2 trains G on `CE(F(G(x)))`
-  with F frozen. Inference uses F alone.
+  with F frozen for `proxy_epochs` (official: local_epochs + 10). Inference uses F alone.
+
+Both variants score the global proxy they *received* (a frozen copy kept before local training):
+`pfedes/proxy_acc` on the client's test split (kd: the proxy's own head; input: F after G), and
+for kd `pfedes/kl_local_proxy`, the KL between the local model's and that global proxy's logits.
 
 Shares: the proxy's parameters (`4 * n_params` bytes each way per client per round).
 Keeps local: the heterogeneous local model.
@@ -19,9 +26,9 @@ proxy update, and EMA of the global proxy applied every `ema_every` rounds.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +37,7 @@ from torch import nn
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     Algorithm,
+    Client,
     ClientContext,
     ModelClient,
     Payload,
@@ -49,13 +57,15 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class PFedESParams:
-    variant: Literal["kd", "input", "stats"] = "kd"  # stats: rayfl.algorithms.pfedes_stats
+    variant: str = "kd"  # kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS
     T: float = 4.0  # distillation temperature (kd)
     alpha: float = 0.1  # weight of the proxy's KD loss (kd)
     beta: float = (
         0.0  # return path: local model distils from the received proxy (0 = the literal method)
     )
     embed_dim: int = 128  # proxy embedding size (kd)
+    # kd: the proxy's own learning rate (null: train.lr, and alpha scales its gradient)
+    proxy_lr: float | None = None
     mu: float = 0.5  # stage-1 weight of the proxied path (input)
     proxy_epochs: int | None = (
         None  # stage-2 epochs (input); None: local_epochs + 10 as in the official code
@@ -66,10 +76,20 @@ class PFedESParams:
     ema_every: int = 1  # server: apply the EMA every k rounds (plain replacement otherwise)
 
     def __post_init__(self) -> None:
+        require(
+            self.variant in VARIANTS,
+            "algorithm.variant",
+            f"{self.variant!r} is not a pFedES variant; choose one of {', '.join(VARIANTS)}",
+        )
         require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
         require(self.alpha >= 0, "algorithm.alpha", f"must be >= 0 (got {self.alpha})")
         require(self.beta >= 0, "algorithm.beta", f"must be >= 0 (got {self.beta})")
         require(self.embed_dim >= 1, "algorithm.embed_dim", "must be at least 1")
+        require(
+            self.proxy_lr is None or self.proxy_lr > 0,
+            "algorithm.proxy_lr",
+            f"must be > 0 or null (got {self.proxy_lr})",
+        )
         require(0 <= self.mu <= 1, "algorithm.mu", f"must be in [0, 1] (got {self.mu})")
         require(
             self.weight_cap is None or 0 < self.weight_cap <= 1,
@@ -94,33 +114,123 @@ class PFedESParams:
         )
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One pFedES variant: its client half, its server half and its proxy.
+
+    Attributes:
+        client: the client class (a `PFedESClient` subclass).
+        server: the server class (`PFedESServer` or a subclass).
+        proxy: builds the shared proxy from `(params, in_shape, num_classes)`.
+        scored: the proxy is a classifier the server scores on its test set (`proxy/acc`).
+    """
+
+    client: type[Client[PFedESParams]]
+    server: type[Server[PFedESParams]]
+    proxy: Callable[[PFedESParams, tuple[int, ...], int], nn.Module] | None = None
+    scored: bool = True
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(name: str, variant: Variant) -> None:
+    """Make `algorithm.variant: <name>` choose `variant`."""
+    VARIANTS[name] = variant
+
+
 def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if params.variant == "kd":
-        return ProxyExtractor(in_shape, num_classes, embed_dim=params.embed_dim)
-    return InputProxy(in_shape[0])
+    make = VARIANTS[params.variant].proxy
+    if make is None:
+        raise ValueError(f"pFedES variant {params.variant!r} shares no proxy")
+    return make(params, in_shape, num_classes)
 
 
 class PFedESClient(ModelClient[PFedESParams]):
-    def __new__(cls, ctx: ClientContext, params: PFedESParams) -> Any:
-        # `variant: stats` uploads statistics, not a proxy: its own halves (pfedes_stats.py).
-        if cls is PFedESClient and params.variant == "stats":
-            return PFedESStatsClient(ctx, params)
-        return super().__new__(cls)
+    """What every variant shares: a private local model, a proxy that travels, and a frozen copy
+    of the global proxy received this round (`self.received`). `PFedESClient(ctx, params)`
+    returns the client class of `params.variant`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is not PFedESClient:
+            return super().__new__(cls)
+        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
+        target: Any = VARIANTS[params.variant].client
+        if not issubclass(target, PFedESClient):
+            return target(*args, **kwargs)  # a variant with halves of its own (stats)
+        return super().__new__(target)
 
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes)
-        self.teacher: nn.Module | None = None
+        self.received = copy.deepcopy(self.proxy).eval().requires_grad_(False)
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.proxy, payload)
-        if self.params.variant == "kd" and self.params.beta > 0:
-            self.teacher = copy.deepcopy(self.proxy).eval().requires_grad_(False)
+        # kept before local training: the metrics compare with what the federation sent
+        load_numpy(self.received, payload)
+
+    def upload(self) -> Payload:
+        return to_numpy(self.proxy.state_dict())
+
+    def received_proxy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the received global proxy's prediction path for `x`."""
+        raise NotImplementedError
+
+    def eval_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        self.received.eval()
+        hits = (self.received_proxy_logits(x).argmax(1) == y).float().mean()
+        return {"pfedes/proxy_acc": float(hits)}
+
+
+class PFedESKDClient(PFedESClient):
+    """Variant `kd`: local CE plus the proxy distilled from the local model's logits."""
+
+    def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
+        super().__init__(ctx, params)
+        self.teacher: nn.Module | None = None
+
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        super().receive(payload, rnd)
+        self.teacher = self.received if self.params.beta > 0 else None
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
-        if self.params.variant == "kd":
-            return trainer.run(self.training_step, [self.model, self.proxy])
-        # variant `input`: stage 1 trains F with G frozen, stage 2 trains G through a frozen F.
+        lrs = None if self.params.proxy_lr is None else [None, self.params.proxy_lr]
+        return trainer.run(self.training_step, [self.model, self.proxy], module_lrs=lrs)
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        local_logits = self.model(x)
+        proxy_logits, _ = self.proxy(x)
+        # detach: CE trains only the local model, KD only the proxy; otherwise they chase each other.
+        kd = fn.kd_loss(proxy_logits, local_logits.detach(), p.T)
+        # With proxy_lr: value alpha * kd (the reported objective) but the gradient of kd, so the
+        # proxy's step is set by proxy_lr alone, not by alpha.
+        proxy_term = p.alpha * kd if p.proxy_lr is None else kd + (p.alpha - 1.0) * kd.detach()
+        loss = F.cross_entropy(local_logits, y) + proxy_term
+        if self.teacher is not None:
+            self.teacher.eval()
+            with torch.no_grad():
+                teacher_logits, _ = self.teacher(x)
+            loss = loss + p.beta * fn.kd_loss(local_logits, teacher_logits, p.T)
+        return loss
+
+    def received_proxy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.received(x)
+        return logits
+
+    def eval_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        out = super().eval_metrics(x, y)
+        kl = fn.logit_kl(self.model(x), self.received_proxy_logits(x))
+        out["pfedes/kl_local_proxy"] = float(kl)
+        return out
+
+
+class PFedESInputClient(PFedESClient):
+    """Variant `input` (the official code): an image-to-image proxy G before the local model F."""
+
+    def fit(self, trainer: Trainer) -> dict[str, float]:
+        # stage 1 trains F with G frozen, stage 2 trains G through a frozen F.
         self.proxy.eval()
         stage1 = trainer.run(self._stage1_step, [self.model])
         self.model.eval()
@@ -128,20 +238,6 @@ class PFedESClient(ModelClient[PFedESParams]):
         epochs = self.ctx.train.local_epochs + 10 if epochs is None else epochs
         stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
         return {"loss": stage1["loss"], "pfedes/proxy_loss": stage2["loss"]}
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        local_logits = self.model(x)
-        proxy_logits, _ = self.proxy(x)
-        # detach: CE trains only the local model, KD only the proxy; otherwise they chase each other.
-        loss = F.cross_entropy(local_logits, y) + p.alpha * fn.kd_loss(
-            proxy_logits, local_logits.detach(), p.T
-        )
-        if self.teacher is not None:
-            with torch.no_grad():
-                teacher_logits, _ = self.teacher(x)
-            loss = loss + p.beta * fn.kd_loss(local_logits, teacher_logits, p.T)
-        return loss
 
     def _stage1_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -154,29 +250,29 @@ class PFedESClient(ModelClient[PFedESParams]):
     def _stage2_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(self.proxy(x)), y)
 
-    def upload(self) -> Payload:
-        return to_numpy(self.proxy.state_dict())
-
-    def eval_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-        if self.params.variant != "kd":
-            return {}
-        local_logits = self.model(x)
-        proxy_logits, _ = self.proxy(x)
-        return {"pfedes/kl_local_proxy": float(fn.logit_kl(local_logits, proxy_logits))}
+    def received_proxy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(self.received(x))
 
 
 class PFedESServer(Server[PFedESParams]):
+    """Sample-weighted proxy average (optional weight cap, update clipping, EMA).
+    `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
+
     sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
 
     @staticmethod
-    def variant_class(params: PFedESParams) -> type[Server]:
+    def variant_class(params: PFedESParams) -> type[Server[PFedESParams]]:
         """The server half of `params.variant` (what `rayfl.privacy` asks for its sum form)."""
-        return PFedESStatsServer if params.variant == "stats" else PFedESServer
+        return VARIANTS[params.variant].server
 
-    def __new__(cls, ctx: ServerContext, params: PFedESParams) -> Any:
-        if cls is PFedESServer and params.variant == "stats":
-            return PFedESStatsServer(ctx, params)
-        return super().__new__(cls)
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is not PFedESServer:
+            return super().__new__(cls)
+        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
+        target: Any = VARIANTS[params.variant].server
+        if not issubclass(target, PFedESServer):
+            return target(*args, **kwargs)  # a variant with halves of its own (stats)
+        return super().__new__(target)
 
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
@@ -200,11 +296,31 @@ class PFedESServer(Server[PFedESParams]):
 
     def eval_models(self) -> dict[str, nn.Module]:
         # The `input` proxy is an image-to-image map: it has no accuracy of its own.
-        return {"proxy": self.proxy} if self.params.variant == "kd" else {}
+        return {"proxy": self.proxy} if VARIANTS[self.params.variant].scored else {}
 
     def state_modules(self) -> dict[str, nn.Module]:
         return {"proxy": self.proxy}
 
+
+register_variant(
+    "kd",
+    Variant(
+        PFedESKDClient,
+        PFedESServer,
+        lambda p, shape, classes: ProxyExtractor(shape, classes, embed_dim=p.embed_dim),
+    ),
+)
+register_variant(
+    "input",
+    Variant(
+        PFedESInputClient,
+        PFedESServer,
+        lambda p, shape, classes: InputProxy(shape[0]),
+        scored=False,
+    ),
+)
+
+register_variant("stats", Variant(PFedESStatsClient, PFedESStatsServer, scored=False))
 
 ALGORITHMS.add(
     "pfedes",

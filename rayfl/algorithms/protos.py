@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rayfl.algorithms.base import (
     Batch,
@@ -26,6 +27,7 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
 )
+from rayfl.models import SplitModel
 
 
 def class_sums(
@@ -186,3 +188,23 @@ class ClassTableServer(Server[P]):
         table = state["table"]
         assert isinstance(table, Mapping)
         self.table = {k: np.array(v) for k, v in table.items()}
+
+
+class NearestPrototype(nn.Module):
+    """A split model that predicts the class of the nearest global prototype (FedProto's and
+    FedTGP's inference, as in their official code): logits are minus the squared Euclidean
+    distance of `model.features(x)` to each known prototype, `-inf` for classes without one.
+    With no prototype known yet it falls back to the model's own head."""
+
+    def __init__(self, model: SplitModel, table: torch.Tensor, counts: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.table = table
+        self.known = counts > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.model.features(x)
+        if not bool(self.known.any()):
+            return self.model.head(features)
+        dist = (features.unsqueeze(1) - self.table.unsqueeze(0)).pow(2).sum(-1)
+        return (-dist).masked_fill(~self.known, float("-inf"))

@@ -52,6 +52,13 @@ class Executor(ABC):
         """Train the clients; returns their metrics and handles of their reply lists."""
 
     @abstractmethod
+    def evaluate(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
+    ) -> list[ClientMetrics]:
+        """Score every client's deployed model given the server's new broadcast (`payloads`, one
+        per architecture among `client_ids`); client states are read, never changed."""
+
+    @abstractmethod
     def server_step(
         self, round_idx: int, replies: list[Any], evaluate: bool
     ) -> dict[str, float]: ...
@@ -160,6 +167,12 @@ class SerialExecutor(Executor):
             replies += r
             self.states[cid] = new[0]
         return metrics, [replies]
+
+    def evaluate(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
+    ) -> list[ClientMetrics]:
+        states = [self.states.get(c) for c in client_ids]
+        return self.runner.evaluate(round_idx, client_ids, payloads, states)
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         return self.server.step(round_idx, replies, evaluate)
@@ -581,6 +594,41 @@ class RayExecutor(Executor):
             self.states.update(zip(batch, refs[2:]))
             idle.append(slot)
         return metrics, reply_refs
+
+    def evaluate(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
+    ) -> list[ClientMetrics]:
+        """Batches of `engine.clients_per_call` clients, handed to whichever worker is free; the
+        states travel as object references (the driver never holds them). Evaluation changes no
+        state, so a batch whose worker died simply runs again on a new worker."""
+        e = self.spec.engine
+        pending = deque(_batches(list(client_ids), e.clients_per_call))
+        idle = deque(range(len(self.workers)))
+        running: dict[Any, tuple[int, list[int]]] = {}
+        failures = 0
+        rows: list[ClientMetrics] = []
+        while pending or running:
+            while pending and idle:
+                batch, slot = pending.popleft(), idle.popleft()
+                states = [self.states.get(c) for c in batch]
+                ref = self.workers[slot].evaluate.remote(round_idx, batch, payloads, *states)
+                running[ref] = (slot, batch)
+            done, _ = ray.wait(list(running), num_returns=1)
+            slot, batch = running.pop(done[0])
+            try:
+                rows.extend(ray.get(done[0]))
+            except ray.exceptions.RayActorError:
+                failures += 1
+                if failures > e.max_retries:
+                    raise UserError(
+                        f"round {round_idx}: evaluation failed {failures} times (worker died); "
+                        "check memory (engine.worker_resources) or raise engine.max_retries"
+                    ) from None
+                log.warning("round %d: a worker died in evaluation; retrying %s", round_idx, batch)
+                self.workers[slot] = self._new_worker()
+                pending.appendleft(batch)
+            idle.append(slot)
+        return rows
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         # The replies are objects the driver owns: a restarted server steps on the same ones.

@@ -58,6 +58,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 
 from rayfl.algorithms.base import Client, Payload, Reply, TrainSettings
 from rayfl.engine.training import LocalTrainer
+from rayfl.errors import ConfigError
 
 if TYPE_CHECKING:
     from rayfl.engine.worker import ClientMetrics, ClientRunner
@@ -395,7 +396,13 @@ class GroupedTrainer(LocalTrainer):
         lr: float | None = None,
         split: str = "train",
         targets: torch.Tensor | None = None,
+        module_lrs: Sequence[float | None] | None = None,
     ) -> dict[str, float]:
+        if module_lrs is not None:
+            raise ConfigError(
+                "engine.grouped=true trains one learning rate per client; unset engine.grouped "
+                "or the algorithm's per-module rate (e.g. algorithm.proxy_lr)"
+            )
         if params is None:
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
         params = list(params)

@@ -1,7 +1,12 @@
 """The one round loop.
 
     sample clients (seeded) -> server.broadcast -> executor.fit (workers train batches of clients)
-    -> server step (aggregate, server update, evaluate) -> metrics -> callbacks
+    -> server step (aggregate, server update, evaluate) -> evaluation phase -> metrics -> callbacks
+
+The evaluation phase follows `eval.protocol`: `deployed` (default) broadcasts the server's new
+state to every client's architecture and has the workers score every client's deployed model
+(`Client.deployed_model`), participants or not; `after_fit` scores the participants inside
+`executor.fit`, right after their local training.
 
 Everything else (what is trained and shared) is the algorithm's; where it runs is the executor's.
 """
@@ -100,12 +105,22 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
     )
 
 
-def summarize_clients(rows: list[ClientMetrics]) -> dict[str, float]:
-    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, extras."""
+def summarize_clients(
+    rows: list[ClientMetrics], evaluated: list[ClientMetrics] | None = None
+) -> dict[str, float]:
+    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, extras.
+
+    `rows` are the participants' fit rows (training metrics, and accuracy under `after_fit`);
+    `evaluated`, when given, are the evaluation phase's rows (`deployed`) and the only ones scored.
+    """
     out: dict[str, float] = {}
     # completion order varies with workers; summing in client order keeps every bit the same
     rows = sorted(rows, key=lambda r: r["client"])
-    scored = [r for r in rows if "acc" in r]
+    if evaluated is None:
+        scored = [r for r in rows if "acc" in r]
+    else:
+        scored = sorted(evaluated, key=lambda r: r["client"])
+        out["eval/clients"] = float(len(scored))
     if scored:
         acc = np.array([r["acc"] for r in scored])
         n = np.array([r["num_test"] for r in scored])
@@ -264,7 +279,8 @@ class Simulation:
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()
-        client_rows, replies = ex.fit(rnd, clients, payloads, evaluate)
+        deployed = cfg.eval.protocol == "deployed"
+        client_rows, replies = ex.fit(rnd, clients, payloads, evaluate and not deployed)
         fit_end = time.perf_counter()
         if self._finish_pending():
             return None
@@ -275,11 +291,18 @@ class Simulation:
         else:
             server_metrics, handle = ex.server_step(rnd, replies, evaluate), None
         server_s = time.perf_counter() - server_start
+        eval_rows: list[ClientMetrics] | None = None
+        eval_start = time.perf_counter()
+        if evaluate and deployed:
+            # the broadcast after round rnd's server step: what every client would act on now
+            _, new_payloads = ex.broadcast(rnd, sorted(set(self.archs)))
+            eval_rows = ex.evaluate(rnd, range(cfg.data.num_clients), new_payloads)
+        eval_s = time.perf_counter() - eval_start
         bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
-        row.update(summarize_clients(client_rows))
+        row.update(summarize_clients(client_rows, eval_rows))
         row.update(server_metrics)
         if rnd == self.start_round:
             row.update(self.clock.metrics())
@@ -288,6 +311,7 @@ class Simulation:
         row["comm/bytes_down_total"] = comm["down"]
         row["time/fit_s"] = fit_end - fit_start
         row["time/server_s"] = server_s
+        row["time/eval_s"] = eval_s
         row["time/round_s"] = time.perf_counter() - start
         view = ex.snapshot() if handle is not None else ex
         self._pending = _Pending(rnd, row, handle, view, clients, client_rows)

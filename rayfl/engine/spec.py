@@ -22,7 +22,7 @@ from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
 
 # Tags that keep the random streams of different purposes apart.
-INIT, TRAIN, SERVER, SAMPLE = 1, 2, 3, 4
+INIT, TRAIN, SERVER, SAMPLE, EVAL = 1, 2, 3, 4, 5
 
 
 def derive_seed(*parts: int) -> int:

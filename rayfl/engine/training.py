@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,15 +27,32 @@ def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def make_optimizer(
-    params: Iterable[nn.Parameter], settings: TrainConfig, lr: float | None = None
+    params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+    settings: TrainConfig,
+    lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    params = list(params)
+    """The configured optimizer over `params` (parameters, or torch parameter-group dicts)."""
+    groups: Any = list(params)
     lr = settings.lr if lr is None else lr
     if settings.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=settings.weight_decay)
+        return torch.optim.Adam(groups, lr=lr, weight_decay=settings.weight_decay)
     return torch.optim.SGD(
-        params, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
+        groups, lr=lr, momentum=settings.momentum, weight_decay=settings.weight_decay
     )
+
+
+def per_module(
+    params: Sequence[nn.Parameter], modules: Sequence[nn.Module]
+) -> list[list[nn.Parameter]]:
+    """`params` grouped by the module of `modules` that owns them (the first one, in order): one
+    group per module, aligned with `modules` (possibly empty), then the group of parameters no
+    module owns. Gradient clipping is applied per group: a client that trains two models at once
+    (pFedES's local model and proxy, FML's pair) clips each model's gradient on its own, so one
+    model's gradient never rescales the other's step."""
+    remaining = {id(p): p for p in params}
+    groups = [[remaining.pop(id(p)) for p in m.parameters() if id(p) in remaining] for m in modules]
+    groups.append(list(remaining.values()))
+    return groups
 
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,13 +85,15 @@ def minibatch_loop(
     grad_clip: float | None = None,
 ) -> dict[str, float]:
     """The one minibatch loop: `modules` in train mode, then for every batch
-    `loss = step(x, y)`, backward, optional gradient clipping, optimizer step.
+    `loss = step(x, y)`, backward, optional gradient clipping (each module's gradient on its
+    own, `per_module`), optimizer step.
 
     Returns:
         `{"loss": mean of the batch losses weighted by batch size}` (NaN without batches).
     """
     for m in modules:
         m.train()
+    clip_groups = [g for g in per_module(params, modules) if g]
     total: torch.Tensor | None = None
     count = 0
     for x, y in batches:
@@ -81,7 +101,8 @@ def minibatch_loop(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip is not None:
-            nn.utils.clip_grad_norm_(params, grad_clip)
+            for group in clip_groups:
+                nn.utils.clip_grad_norm_(group, grad_clip)
         optimizer.step()
         weighted = loss.detach() * len(y)
         total = weighted if total is None else total + weighted
@@ -105,10 +126,12 @@ def fit_tensors(
     lr: float | None = None,
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
+    module_lrs: Sequence[float | None] | None = None,
 ) -> dict[str, float]:
     """Train on the tensors `(x, y)` with `settings`' optimizer: `epochs` passes of shuffled
     minibatches (default `settings.local_epochs`), or exactly `steps` minibatches, drawing a new
-    pass whenever one is used up (`steps` wins when both are given)."""
+    pass whenever one is used up (`steps` wins when both are given). `module_lrs`, aligned with
+    `modules`, gives a module its own learning rate (None: `lr`)."""
     params = trainable(modules) if params is None else list(params)
     size = batch_size or settings.batch_size
     passes = (
@@ -119,7 +142,19 @@ def fit_tensors(
     batches: Iterable[Batch] = (b for _ in passes for b in shuffled_batches(x, y, size, generator))
     if steps is not None:
         batches = itertools.islice(batches, steps)
-    optimizer = make_optimizer(params, settings, lr)
+    if module_lrs is None:
+        optimizer = make_optimizer(params, settings, lr)
+    else:
+        if len(module_lrs) != len(modules):
+            raise ValueError("module_lrs must have one entry per module")
+        base = settings.lr if lr is None else lr
+        rates = [*module_lrs, None]  # parameters outside every module train at `lr`
+        groups = per_module(params, modules)
+        optimizer = make_optimizer(
+            [{"params": g, "lr": base if r is None else r} for g, r in zip(groups, rates) if g],
+            settings,
+            base,
+        )
     return minibatch_loop(step, modules, batches, params, optimizer, settings.grad_clip)
 
 
@@ -203,6 +238,7 @@ class LocalTrainer:
         lr: float | None = None,
         split: str = "train",
         targets: torch.Tensor | None = None,
+        module_lrs: Sequence[float | None] | None = None,
     ) -> dict[str, float]:
         data = self.data(split)
         y = data.y if targets is None else targets.to(data.x.device)
@@ -218,6 +254,7 @@ class LocalTrainer:
             lr,
             None,
             self.generator,
+            module_lrs,
         )
 
 
@@ -233,11 +270,15 @@ def accuracy(model: nn.Module, batches: Iterable[Batch]) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate_client(client: Client, trainer: LocalTrainer) -> dict[str, float]:
-    """Personalized accuracy on the client's own test split, plus the algorithm's extra metrics."""
+def evaluate_client(
+    client: Client, trainer: LocalTrainer, model: nn.Module | None = None
+) -> dict[str, float]:
+    """Personalized accuracy of `model` (default: `client.eval_model()`) on the client's own test
+    split, plus the algorithm's extra metrics."""
     for m in client.modules():
         m.eval()
-    model = client.eval_model()
+    model = client.eval_model() if model is None else model
+    model.eval()
     correct = total = 0
     extra: dict[str, float] = {}
     for x, y in trainer.batches("test"):

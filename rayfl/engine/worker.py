@@ -17,7 +17,7 @@ import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
+from rayfl.engine.spec import EVAL, INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.registry import ALGORITHMS
 
@@ -68,10 +68,14 @@ class ClientRunner:
         return client
 
     def _trainer(
-        self, round_idx: int, cid: int, make: Callable[..., LocalTrainer] = LocalTrainer
+        self,
+        round_idx: int,
+        cid: int,
+        make: Callable[..., LocalTrainer] = LocalTrainer,
+        purpose: int = TRAIN,
     ) -> LocalTrainer:
         """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
-        seed = derive_seed(self.spec.seed, round_idx, cid, TRAIN)
+        seed = derive_seed(self.spec.seed, round_idx, cid, purpose)
         torch.manual_seed(seed)
         split = self.federation.clients[cid]
         return make(
@@ -83,6 +87,34 @@ class ClientRunner:
             torch.Generator().manual_seed(seed),
             public=self._public_batches,
         )
+
+    def evaluate(
+        self,
+        round_idx: int,
+        client_ids: Sequence[int],
+        payloads: Mapping[str, Payload],
+        states: Sequence[Payload | None],
+    ) -> list[ClientMetrics]:
+        """Score each client's deployed model (`Client.deployed_model`) given `payloads`, the
+        server's broadcast after round `round_idx`'s step, on its test split (and, with
+        `eval.local_baseline`, its local-only shadow). States are read, never written back:
+        evaluation leaves every client as it was."""
+        rnd = self.spec.round_context(round_idx)
+        with torch_threads(self.spec.num_threads):
+            rows: list[ClientMetrics] = []
+            for cid, state in zip(client_ids, states):
+                arch = self.spec.archs[cid]
+                client = self.client_for(cid, state)
+                trainer = self._trainer(round_idx, cid, purpose=EVAL)
+                model = client.deployed_model(payloads.get(arch, {}), rnd)
+                row: ClientMetrics = {"client": cid, "arch": arch}
+                row.update(evaluate_client(client, trainer, model))
+                if self.spec.local_baseline:
+                    row["baseline_acc"] = evaluate_client(self._shadow_for(cid, state), trainer)[
+                        "acc"
+                    ]
+                rows.append(row)
+            return rows
 
     def fit(
         self,
@@ -170,6 +202,18 @@ class ClientRunner:
             row["train_s"] += self._fit_baseline(round_idx, cid, state, new_state, row, evaluate)
         return row, Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)), new_state
 
+    def _shadow_for(self, cid: int, state: Payload | None) -> Client:
+        """The client's local-only shadow with its part (`baseline/`) of the client's state."""
+        arch = self.spec.archs[cid]
+        shadow_state = {
+            k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)
+        }
+        if not shadow_state:
+            return self._fresh_client(arch, cid, algorithm="local")
+        shadow = self._shadows.get(arch) or self._fresh_client(arch, cid, algorithm="local")
+        shadow.load_state_dict(shadow_state)
+        return shadow
+
     def _fit_baseline(
         self,
         round_idx: int,
@@ -182,15 +226,7 @@ class ClientRunner:
         """Train the client's local-only shadow exactly as `algorithm.name=local` would (same
         initial weights, seeds and batches); its state travels in the client's own state under
         `baseline/`, and `row["baseline_acc"]` gets its accuracy. Returns the seconds it took."""
-        arch = self.spec.archs[cid]
-        shadow_state = {
-            k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)
-        }
-        if not shadow_state:
-            shadow = self._fresh_client(arch, cid, algorithm="local")
-        else:
-            shadow = self._shadows.get(arch) or self._fresh_client(arch, cid, algorithm="local")
-            shadow.load_state_dict(shadow_state)
+        shadow = self._shadow_for(cid, state)
         trainer = self._trainer(round_idx, cid)
         start = time.perf_counter()
         shadow.fit(trainer)
@@ -230,6 +266,17 @@ class ClientWorker:
             round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
         )
         return (metrics, replies, *new_states)
+
+    def evaluate(
+        self,
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        *states: Payload | None,
+    ) -> list[ClientMetrics]:
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
 
     def info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()

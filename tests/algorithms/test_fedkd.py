@@ -103,3 +103,16 @@ def test_client_uploads_its_mentee_update():
     np.testing.assert_allclose(client.upload()["head.bias"], 1.0)
     with pytest.raises(ConfigError, match="algorithm.svd_energy"):
         FedKDParams(svd_energy=1.5)
+
+
+def test_mentee_defaults_to_the_familys_smallest_architecture():
+    # Defect: the mentee defaulted to `mlp` even in the CNN family suites.
+    from rayfl.models import build_model
+
+    shape = (1, 28, 28)
+    family = tuple(f"cnn{k}" for k in range(1, 6))
+    ctx = ClientContext("cnn2", shape, 10, CPU, TrainConfig(), family_archs=family)
+    client = FedKDClient(ctx, FedKDParams())
+    expected = build_model("cnn5", shape, 10)
+    assert client.mentee.state_dict().keys() == expected.state_dict().keys()
+    assert [p.shape for p in client.mentee.parameters()] == [p.shape for p in expected.parameters()]

@@ -65,3 +65,33 @@ def test_refuses_models_without_a_common_feature_size(synthetic_raw, tmp_path):
     raw["model"] = {"architectures": ["tiny_a", "mlp"]}
     with pytest.raises(ConfigError, match="feature size"):
         Simulation(build_config(raw), tmp_path)
+
+
+def test_prototype_prediction_picks_the_nearest_known_prototype():
+    from rayfl.algorithms.protos import NearestPrototype
+
+    client = FedProtoClient(
+        ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()),
+        FedProtoParams(predict="prototype"),
+    )
+    with torch.no_grad():  # features = relu(x_flat[:16])
+        client.model.encoder[1].weight.copy_(torch.eye(16, 64))
+        client.model.encoder[1].bias.zero_()
+    protos = np.zeros((3, 16), np.float32)
+    protos[0, 0], protos[1, 1], protos[2, 0] = 1.0, 1.0, 0.9
+    # class 2 has no prototype (count 0): never predicted although it would be the nearest
+    client.receive({"means": protos, "counts": np.array([1.0, 1.0, 0.0], np.float32)}, RND)
+    model = client.eval_model()
+    assert isinstance(model, NearestPrototype)
+    x = torch.zeros(3, *SHAPE)
+    x.view(3, -1)[0, 0] = 0.9  # nearest: class 0 (class 2 is unknown)
+    x.view(3, -1)[1, 1] = 2.0  # class 1
+    x.view(3, -1)[2, :2] = torch.tensor(
+        [0.2, 0.6]
+    )  # squared distances 1.0 (class 0), 0.2 (class 1)
+    logits = model(x)
+    assert logits.argmax(1).tolist() == [0, 1, 1]
+    assert logits[0, 0].item() == pytest.approx(-0.01, abs=1e-6)  # minus squared distance
+    assert logits[0, 2].item() == float("-inf")
+    head = FedProtoClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), FedProtoParams())
+    assert head.eval_model() is head.model

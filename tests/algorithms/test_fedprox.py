@@ -98,6 +98,9 @@ def test_the_engine_hands_both_halves_the_round_and_the_total(synthetic_raw, mon
     cfg = build_config(synthetic_raw, overrides + ["data.num_clients=3"])
     Simulation(cfg, "/tmp/unused").run()
     assert sorted(set(seen["receive"])) == [(1, 3), (2, 3), (3, 3)]
-    assert len(seen["receive"]) == 9  # three clients a round
-    assert seen["broadcast"] == [(1, 3), (2, 3), (3, 3)]  # one architecture
+    # three clients a round, each receiving twice: to train, and after the server step to
+    # score the model it would deploy (eval.protocol=deployed)
+    assert len(seen["receive"]) == 18
+    # one architecture: the round's broadcast, then the one the deployed evaluation scores
+    assert seen["broadcast"] == [(1, 3), (1, 3), (2, 3), (2, 3), (3, 3), (3, 3)]
     assert seen["aggregate"] == [(1, 3), (2, 3), (3, 3)]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
-from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses
+from rayfl.algorithms.fml import FMLClient, FMLParams, FMLServer, mutual_losses, shared_arch
 from rayfl.errors import ConfigError
+from rayfl.models import build_model
 
 RND = RoundContext(1, 2)  # round 1 of 2
 
@@ -65,3 +66,22 @@ def test_meme_must_be_a_classifier():
         FMLParams(meme="proxy_input")
     with pytest.raises(ConfigError, match="algorithm.alpha"):
         FMLParams(alpha=1.5)
+
+
+def test_meme_defaults_to_the_familys_smallest_cnn_not_mlp():
+    # Defect: the meme defaulted to `mlp` even in the CNN family suites.
+    shape = (1, 28, 28)
+    family = tuple(f"cnn{k}" for k in range(1, 6))
+    ctx = ClientContext("cnn1", shape, 10, CPU, TrainConfig(), family_archs=family)
+    client = FMLClient(ctx, FMLParams())
+    server = FMLServer(
+        ServerContext(family, dict.fromkeys(family, 1), shape, 10, CPU, TrainConfig(), 0, 5),
+        FMLParams(),
+    )
+    # cnn5 has the fewest parameters of CNN-1..5 (fc1 800 -> 500)
+    assert type(client.meme).__name__ == type(server.shared).__name__
+    assert client.meme.state_dict().keys() == server.shared.state_dict().keys()
+    n = sum(p.numel() for p in client.meme.parameters())
+    assert n == sum(p.numel() for p in build_model("cnn5", shape, 10).parameters())
+    assert shared_arch(None, family, shape, 10) == "cnn5"
+    assert shared_arch("mlp", family, shape, 10) == "mlp"

@@ -1,9 +1,20 @@
+import copy
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms import functional
 from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
-from rayfl.algorithms.pfedes import PFedESClient, PFedESParams, PFedESServer
+from rayfl.algorithms.pfedes import (
+    VARIANTS,
+    PFedESClient,
+    PFedESInputClient,
+    PFedESKDClient,
+    PFedESParams,
+    PFedESServer,
+)
 from rayfl.errors import ConfigError
 
 RND = RoundContext(1, 2)  # round 1 of 2
@@ -116,3 +127,91 @@ def test_input_variant_trains_two_stages():
 def test_params_validation(kw, key):
     with pytest.raises(ConfigError, match=key):
         PFedESParams(**kw)
+
+
+def synthetic_trainer(batch_size=20):
+    from rayfl.data.datasets import load_dataset
+    from rayfl.engine.training import LocalTrainer
+
+    ds = load_dataset("synthetic", num_samples=120, num_test=20, shape=(1, 8, 8), num_classes=3)
+    return LocalTrainer(
+        ds,
+        np.arange(100),
+        np.arange(100, 120),
+        TrainConfig(batch_size=batch_size),
+        torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )
+
+
+def test_variants_are_classes_chosen_from_the_table():
+    assert isinstance(client(variant="kd"), PFedESKDClient)
+    assert isinstance(client(variant="input"), PFedESInputClient)
+    assert set(VARIANTS) >= {"kd", "input"}
+    with pytest.raises(ConfigError, match="algorithm.variant"):
+        PFedESParams(variant="nope")
+
+
+def test_kl_local_proxy_compares_with_the_received_global_proxy():
+    # Defect: the KL was taken against the proxy after this client's own distillation.
+    torch.manual_seed(0)
+    c = client(alpha=1.0)
+    c.receive(server().broadcast("tiny_a", RND), RND)
+    received = {k: v.clone() for k, v in c.proxy.state_dict().items()}
+    c.fit(synthetic_trainer())
+    assert any(not torch.equal(received[k], v) for k, v in c.proxy.state_dict().items())
+    x, y = torch.randn(8, *SHAPE), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    for m in c.modules():
+        m.eval()
+    with torch.no_grad():
+        got = c.eval_metrics(x, y)
+    frozen = copy.deepcopy(c.proxy)
+    frozen.load_state_dict(received)
+    frozen.eval()
+    with torch.no_grad():
+        g_logits, _ = frozen(x)
+        expected = functional.logit_kl(c.model(x), g_logits)
+        acc = (g_logits.argmax(1) == y).float().mean()
+    assert got["pfedes/kl_local_proxy"] == pytest.approx(float(expected), rel=1e-6)
+    assert got["pfedes/proxy_acc"] == pytest.approx(float(acc))
+
+
+def test_proxy_lr_sets_the_proxy_step_and_alpha_only_weights_the_loss():
+    torch.manual_seed(0)
+    c = client(alpha=0.1, T=2.0, proxy_lr=0.5)
+    x, y = torch.randn(4, *SHAPE), torch.tensor([0, 1, 2, 0])
+    loss = c.training_step(x, y)
+    loss.backward()
+    local_logits = c.model(x)
+    proxy_logits, _ = c.proxy(x)
+    ce = torch.nn.functional.cross_entropy(local_logits, y)
+    kd = functional.kd_loss(proxy_logits, local_logits.detach(), 2.0)
+    assert loss.item() == pytest.approx((ce + 0.1 * kd).item(), rel=1e-5)
+    g_proxy = [p.grad.clone() for p in c.proxy.parameters()]
+    c.proxy.zero_grad()
+    kd.backward()  # the unweighted KD gradient: alpha does not shrink the proxy's step
+    for g, p in zip(g_proxy, c.proxy.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_input_variant_reports_the_received_proxy_through_the_local_model():
+    torch.manual_seed(0)
+    c = client(variant="input", proxy_epochs=1)
+    c.receive(server(variant="input").broadcast("tiny_a", RND), RND)
+    x, y = torch.randn(8, *SHAPE), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    c.fit(synthetic_trainer())
+    for m in c.modules():
+        m.eval()
+    with torch.no_grad():
+        got = c.eval_metrics(x, y)
+        expected = (c.model(c.received(x)).argmax(1) == y).float().mean()
+    assert got == {"pfedes/proxy_acc": pytest.approx(float(expected))}
+
+
+def test_paper_suite_trains_the_input_proxy_for_the_official_epochs():
+    from rayfl.compare import load_suite
+
+    root = Path(__file__).resolve().parents[2]
+    suite = load_suite(root / "experiments" / "suites" / "pfedes_paper_fmnist.yaml")
+    inputs = [r for r in suite.runs if r.label == "pfedes_input"]
+    assert inputs and all(r.config.algorithm.params.proxy_epochs is None for r in inputs)

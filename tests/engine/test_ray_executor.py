@@ -36,6 +36,30 @@ def test_ray_equals_serial_whatever_the_worker_count(ray_local, synthetic_raw):
     )
 
 
+@pytest.mark.parametrize("protocol", ["deployed", "after_fit"])
+def test_each_protocol_gives_ray_the_serial_numbers_with_partial_participation(
+    ray_local, synthetic_raw, protocol
+):
+    # 3 of 6 clients a round: `deployed` also scores the three that did not train (one of them
+    # never trained yet in round 1), on the workers, batched per call.
+    common = ["engine.clients_per_round=3", f"eval.protocol={protocol}"]
+    serial = history(synthetic_raw, [*common, "engine.executor=serial"])
+    one = history(
+        synthetic_raw,
+        [*common, "engine.executor=ray", "engine.num_workers=1", "engine.clients_per_call=4"],
+    )
+    two = history(
+        synthetic_raw,
+        [*common, "engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"],
+    )
+    assert ("eval/clients" in serial[-1]) == (protocol == "deployed")
+    assert (
+        [comparable(r) for r in serial]
+        == [comparable(r) for r in one]
+        == [comparable(r) for r in two]
+    )
+
+
 def executor(raw, overrides):
     cfg = build_config(raw, overrides)
     fed = prepare_federation(cfg)
