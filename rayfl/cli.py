@@ -215,7 +215,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rayfl.bench import run_bench
 
-    print(run_bench(args.config, args.overrides))
+    print(run_bench(args.config, args.overrides, out=args.out))
     return 0
 
 
@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "bench", "serial vs Ray executor on one workload, side by side")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.add_argument(
+        "--out", help="folder for the variants' runs and report.txt (default: a temp dir)"
+    )
     p.set_defaults(fn=cmd_bench)
 
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")

@@ -92,6 +92,10 @@ class EngineConfig:
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
     )
     ray_num_cpus: int | None = None  # CPUs of the private local Ray (None: all)
+    object_store_mb: int | None = (
+        None  # object store of the private local Ray (None: Ray's default)
+    )
+    spill_dir: str | None = None  # where a private local Ray spills objects (None: its temp dir)
     # joined cluster (address set): how long to wait for the autoscaler to provide the workers
     # the run needs (engine.num_workers, else one) before giving up; 0: do not wait
     wait_for_resources_s: float = 600.0
@@ -100,6 +104,9 @@ class EngineConfig:
     # Train a call's clients of one architecture together, vectorized with torch.func (same
     # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
     grouped: bool = False
+    # Score the server's models on the server test set while the next round's clients train
+    # (a separate Ray actor; same numbers, the row is completed when the score arrives).
+    pipeline_eval: bool = True
     num_threads: int | None = None  # torch threads per worker (None: its num_cpus, at least 1)
     # torch threads for the server step, which runs while the workers wait (None: all CPUs)
     server_threads: int | None = None
@@ -236,6 +243,7 @@ RANGES: dict[str, Range] = {
     "engine.clients_per_round": AT_LEAST_1,
     "engine.num_workers": AT_LEAST_1,
     "engine.ray_num_cpus": AT_LEAST_1,
+    "engine.object_store_mb": Range(lo=80),
     "engine.eval_every": AT_LEAST_1,
     "engine.clients_per_call": AT_LEAST_1,
     "engine.num_threads": AT_LEAST_1,
@@ -343,12 +351,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 
 def _number(value: float, key: str) -> Any:
-    """Every number in the schema is finite and >= 0; `RANGES` and the algorithms' own checks
-    narrow that further."""
+    """Every number in the schema is finite (and >= 0, see `from_dict`)."""
     if not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number (got {value!r})")
-    if value < 0:
-        raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
     return value
 
 
@@ -380,7 +385,16 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     ]
     if missing:
         raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
-    return cls(**kwargs)
+    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
+    _non_negative(kwargs, prefix)
+    return obj
+
+
+def _non_negative(values: Mapping[str, Any], prefix: str) -> None:
+    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
+    for name, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -530,6 +544,7 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunCo
     for key, value in rest.items():
         if key != "algorithm":
             kwargs[key] = _convert(value, hints[key], key)
+    _non_negative(kwargs, "")
     cfg = RunConfig(**kwargs)
     check(cfg)
     return cfg

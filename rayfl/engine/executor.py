@@ -7,6 +7,7 @@ client state stays in Ray's object store as references the driver owns, never in
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -15,7 +16,8 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,8 +25,9 @@ import ray
 from rayfl.algorithms.base import Payload
 from rayfl.config import EngineConfig
 from rayfl.data.federated import Federation
-from rayfl.engine.server import ServerActor, ServerRunner
+from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
+from rayfl.engine.startup import StartupClock
 from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
 from rayfl.errors import UserError
 
@@ -73,8 +76,42 @@ class Executor(ABC):
     @abstractmethod
     def load_client_state(self, client_id: int, state: Payload) -> None: ...
 
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        """The server step without its evaluation, and a handle for `collect_eval`, so that the
+        evaluation (which feeds no broadcast) can run while the next round's clients train."""
+        return self.server_step(round_idx, replies, evaluate), None
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        """The metrics of a deferred evaluation (waits for it)."""
+        return {}
+
+    def snapshot(self) -> Any:
+        """The client and server states now, unaffected by later rounds (for checkpoints). An
+        executor that cannot freeze them returns itself, and the loop then does not pipeline."""
+        return self
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers and the server."""
+
+
+class StateView:
+    """States at the end of one round, as handles (values or ObjectRefs) resolved by `get`: what
+    a checkpoint reads (`client_states`, `server_state`) while the next round already runs."""
+
+    def __init__(self, clients: dict[int, Any], server: Any, get: Callable[[Any], Any]) -> None:
+        self._clients = clients
+        self._server = server
+        self._get = get
+
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        for c in client_ids:
+            if c in self._clients:
+                yield c, self._get(self._clients[c])
+
+    def server_state(self) -> dict[str, Any]:
+        return self._get(self._server)
 
 
 def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
@@ -140,6 +177,18 @@ class SerialExecutor(Executor):
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         return self.server.step(round_idx, replies, evaluate)
 
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        return self.server.step_deferred(round_idx, replies, evaluate)
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        return self.server.score(handle) if handle else {}
+
+    def snapshot(self) -> StateView:
+        # states are replaced, never changed in place: a shallow copy is a snapshot
+        return StateView(dict(self.states), self.server.state_dict(), lambda v: v)
+
     def server_state(self) -> dict[str, Any]:
         return self.server.state_dict()
 
@@ -166,8 +215,24 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
-def init_ray(address: str | None, num_cpus: int | None) -> bool:
+class _NotMainThreadNote(logging.Filter):
+    """Drops Ray's warning that `ray.init` off the main thread sets no SIGTERM handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
+
+
+def init_ray(
+    address: str | None,
+    num_cpus: int | None,
+    object_store_mb: int | None = None,
+    spill_dir: str | None = None,
+) -> bool:
     """Start a private local Ray (or join `address`); returns True when this call started it.
+
+    A local Ray gets an object store of `object_store_mb` (None: Ray's default, 30% of RAM) and
+    spills objects that do not fit to `spill_dir` (None: Ray's default, under its temp dir)
+    instead of failing: client state of thousands of clients can outgrow the store.
 
     `ray.init` replaces the process's SIGTERM handler with one that exits at once; the caller's
     handler (the CLI's, which stops a run like Ctrl-C) is put back.
@@ -181,10 +246,19 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     }
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    quiet = _NotMainThreadNote()
+    if not main_thread:  # rayfl.engine.startup restores the caller's handler on the main thread
+        logging.getLogger("ray._private.worker").addFilter(quiet)
     try:
         if address:
             ray.init(address=address, **kwargs)
         else:
+            if object_store_mb is not None:
+                kwargs["object_store_memory"] = int(object_store_mb) * 2**20
+            if spill_dir is not None:
+                Path(spill_dir).mkdir(parents=True, exist_ok=True)
+                spilling = {"type": "filesystem", "params": {"directory_path": str(spill_dir)}}
+                kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as exc:
         raise UserError(
@@ -199,6 +273,7 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
             "(set RAY_TMPDIR), or use engine.executor=serial"
         ) from None
     finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
         if main_thread and callable(previous):
             signal.signal(signal.SIGTERM, previous)
     return True
@@ -305,35 +380,73 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
+    """Workers, server and evaluation actor on Ray. Built in two steps so that start-up overlaps
+    (`rayfl.engine.startup.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
+    `attach` (dataset put once, spec and data to every actor)."""
+
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
-        self.spec = spec
-        e = spec.engine
-        self._started_ray = init_ray(e.address, e.ray_num_cpus)
+        self.launch(spec.engine, spec.per_round)
+        self.attach(spec, federation)
+
+    def launch(self, e: EngineConfig, per_round: int, clock: StartupClock | None = None) -> None:
+        """Start Ray (unless it runs) and the actors' processes, which import torch meanwhile."""
+        self._started_ray = False
+        self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
+        self.workers: list[Any] = []
+        self.server: Any = None
+        self._server_ready: Any = None
+        self.evaluator: Any = None
+        self.states: dict[int, ray.ObjectRef] = {}
+        # The server state after the last finished server step, as an object the driver owns
+        # (it outlives the server actor): a restarted server starts from it. None: a fresh server
+        # is identical (it is built from the seed).
+        self._server_state: Any = None
+        with _phase(clock, "ray_start"):
+            self._started_ray = init_ray(e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir)
         try:
-            self.num_workers = plan_workers(e, spec.per_round)
-            # The dataset goes into the object store once; every actor maps it zero-copy.
-            self._federation_ref = ray.put(federation)
-            self._worker_cls = ray.remote(ClientWorker).options(
-                num_cpus=e.worker_resources.num_cpus,
-                num_gpus=e.worker_resources.num_gpus,
-                max_restarts=0,
-            )
-            self.workers = [self._new_worker() for _ in range(self.num_workers)]
-            self._server_cls: Any = ray.remote(ServerActor).options(
-                num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
-            )
-            # The server state after the last finished server step, as an object the driver
-            # owns (it outlives the server actor): a restarted server starts from it. None: a
-            # fresh server is identical (it is built from the seed).
-            self._server_state: Any = None
-            self.server: Any = None
-            self._server_ready: Any = None
-            self._new_server()
-            self._await_started()
+            with _phase(clock, "actors_launch"):
+                self.num_workers = plan_workers(e, per_round)
+                self._worker_cls = ray.remote(ClientWorker).options(
+                    num_cpus=e.worker_resources.num_cpus,
+                    num_gpus=e.worker_resources.num_gpus,
+                    max_restarts=0,
+                )
+                self.workers = [self._worker_cls.remote() for _ in range(self.num_workers)]
+                self._server_cls: Any = ray.remote(ServerActor).options(
+                    num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
+                )
+                self.server = self._server_cls.remote()
+                # No CPU of its own, like the server: it fills the time workers spend off the CPU.
+                self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
+                    num_cpus=0, num_gpus=0
+                )
+                self.evaluator = self._evaluator_cls.remote() if e.pipeline_eval else None
         except BaseException:
             self.close()
             raise
-        self.states: dict[int, ray.ObjectRef] = {}
+
+    def attach(
+        self, spec: RunSpec, federation: Federation, clock: StartupClock | None = None
+    ) -> None:
+        """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
+        self.spec = spec
+        try:
+            with _phase(clock, "dataset_put"):
+                self._federation_ref = ray.put(federation)
+            actors = [*self.workers, self.server]
+            actors += [self.evaluator] if self.evaluator is not None else []
+            ready = [a.setup.remote(spec, self._federation_ref) for a in actors]
+            # the server answers through its setup, the workers through info() after theirs
+            self._server_ready = ready[len(self.workers)]
+            with _phase(clock, "actors_ready"):
+                deadline = time.monotonic() + spec.engine.startup_timeout_s
+                for ref in ready:  # a setup error (e.g. no GPU) surfaces here, as itself
+                    with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                        ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                self._await_started()  # replaces actors that died; times out with a message
+        except BaseException:
+            self.close()
+            raise
         log.info("Ray executor: %d workers", self.num_workers)
 
     def _new_server(self) -> None:
@@ -529,6 +642,40 @@ class RayExecutor(Executor):
 
         return self._with_server(f"round {round_idx}", call)
 
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool
+    ) -> tuple[dict[str, float], Any]:
+        evaluator = self.evaluator
+        if evaluator is None:
+            return self.server_step(round_idx, replies, evaluate), None
+
+        def call() -> tuple[dict[str, float], Any]:
+            metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
+                round_idx, evaluate, *replies
+            )
+            out = ray_get(metrics)
+            self._server_state = state
+            return out, (evaluator.score.remote(models), models) if evaluate else None
+
+        return self._with_server(f"round {round_idx}", call)
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        if handle is None:
+            return {}
+        ref, models = handle
+        try:
+            return ray_get(ref)
+        except ray.exceptions.RayActorError:
+            log.warning("the evaluation actor died; restarting it and scoring again")
+            self.evaluator = self._new_evaluator()
+            return ray_get(self.evaluator.score.remote(models))
+
+    def snapshot(self) -> StateView:
+        return StateView(dict(self.states), self._server_state, ray_get)
+
+    def _new_evaluator(self) -> Any:
+        return self._evaluator_cls.remote(self.spec, self._federation_ref)
+
     def server_state(self) -> dict[str, Any]:
         if self._server_state is not None:
             return ray_get(self._server_state)
@@ -550,7 +697,8 @@ class RayExecutor(Executor):
         self.states[client_id] = ray.put(state)
 
     def close(self) -> None:
-        for actor in [*getattr(self, "workers", []), getattr(self, "server", None)]:
+        actors = [*getattr(self, "workers", []), getattr(self, "server", None)]
+        for actor in [*actors, getattr(self, "evaluator", None)]:
             if actor is not None:
                 with suppress(Exception):
                     ray.kill(actor)
@@ -558,6 +706,11 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+            self.after_shutdown()
+
+
+def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:
+    return nullcontext() if clock is None else clock.phase(name)
 
 
 def make_executor(spec: RunSpec, federation: Federation) -> Executor:

@@ -34,6 +34,7 @@ from rayfl.engine.checkpoint import Restored
 from rayfl.engine.executor import Executor, make_executor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
+from rayfl.engine.startup import EarlyRay, StartupClock
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
@@ -175,29 +176,51 @@ class Simulation:
         self.run_dir = Path(run_dir)
         self.callbacks = list(callbacks or [])
         self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-        self.federation = prepare_federation(cfg)
         family = family_from_config(cfg.model.family, cfg.model.architectures)
         self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-        dataset = self.federation.dataset
-        dims = (
-            family.feature_dims(dataset.in_shape, dataset.num_classes)
-            if self.algo.needs_common_feature_dim
+        self.per_round = clients_per_round(cfg)
+        check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
+        self.clock = StartupClock()
+        self.clock.mark("imports")
+        # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
+        self._early = (
+            EarlyRay(cfg.engine, self.per_round, self.clock)
+            if cfg.engine.executor == "ray"
             else None
         )
-        check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
-        self.per_round = clients_per_round(cfg)
-        self.spec = make_spec(cfg, self.archs, self.federation)
+        try:
+            with self.clock.phase("data_load"):
+                self.federation = prepare_federation(cfg)
+            dataset = self.federation.dataset
+            dims = (
+                family.feature_dims(dataset.in_shape, dataset.num_classes)
+                if self.algo.needs_common_feature_dim
+                else None
+            )
+            check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
+            self.spec = make_spec(cfg, self.archs, self.federation)
+        except BaseException:
+            if self._early is not None:
+                self._early.cancel()
+            raise
         self.result = RunResult(cfg)
         self.start_round = 1
         self.last_clients: list[int] = []
         self.executor: Executor | None = None
+        self._pending: _Pending | None = None
+        self._stop = False
 
     def run(self) -> RunResult:
         cfg = self.cfg
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(self.spec, self.federation)
+            if self._early is not None:
+                early, self._early = self._early, None
+                self.executor = early.finish(self.spec, self.federation)
+            else:
+                with self.clock.phase("executor"):
+                    self.executor = make_executor(self.spec, self.federation)
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:
@@ -206,22 +229,24 @@ class Simulation:
                 cb.on_run_start(self)
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
             comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
+            self.clock.mark("first_round_at")
+            log.info("start-up: %s", self.clock.describe())
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
-                row = self.run_round(rnd, comm)
-                self.result.history.append(row)
-                for cb in self.callbacks:
-                    cb.on_round_state(
-                        cfg, rnd, self.last_clients, self.executor, self.result.history
-                    )
-                for cb in self.callbacks:
-                    cb.on_round_end(self, rnd, row)
-                if any(cb.should_stop for cb in self.callbacks):
+                if self.run_round(rnd, comm) is None or self._stop:
                     break
+            self._finish_pending()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
+            if self._early is not None:  # failed before the executor took over
+                self._early.cancel()
+            if status != "FINISHED" and self._pending is not None:
+                try:  # the last finished round still gets its row
+                    self._finish_pending()
+                except Exception:
+                    log.exception("the last round's evaluation failed")
             self.result.status = status
             for cb in self.callbacks:
                 try:
@@ -242,7 +267,10 @@ class Simulation:
         self.start_round = restored.round + 1
         log.info("resumed after round %d", restored.round)
 
-    def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float]:
+    def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float] | None:
+        """One round. Its row reaches the history and the callbacks once its server evaluation
+        is in: with `engine.pipeline_eval` that is after the next round's clients have trained.
+        Returns None when a callback stopped the run meanwhile (this round is then dropped)."""
         assert self.executor is not None
         cfg, ex = self.cfg, self.executor
         start = time.perf_counter()
@@ -253,8 +281,15 @@ class Simulation:
         fit_start = time.perf_counter()
         deployed = cfg.eval.protocol == "deployed"
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate and not deployed)
+        fit_end = time.perf_counter()
+        if self._finish_pending():
+            return None
+        pipelined = cfg.engine.pipeline_eval and rnd < cfg.engine.rounds
         server_start = time.perf_counter()
-        server_metrics = ex.server_step(rnd, replies, evaluate)
+        if pipelined:
+            server_metrics, handle = ex.server_step_deferred(rnd, replies, evaluate)
+        else:
+            server_metrics, handle = ex.server_step(rnd, replies, evaluate), None
         server_s = time.perf_counter() - server_start
         eval_rows: list[ClientMetrics] | None = None
         eval_start = time.perf_counter()
@@ -269,13 +304,52 @@ class Simulation:
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
         row.update(summarize_clients(client_rows, eval_rows))
         row.update(server_metrics)
+        if rnd == self.start_round:
+            row.update(self.clock.metrics())
         row["comm/bytes_down"] = bytes_down
         row["comm/bytes_up_total"] = comm["up"]
         row["comm/bytes_down_total"] = comm["down"]
-        row["time/fit_s"] = server_start - fit_start
+        row["time/fit_s"] = fit_end - fit_start
         row["time/server_s"] = server_s
         row["time/eval_s"] = eval_s
         row["time/round_s"] = time.perf_counter() - start
-        self.last_client_rows = client_rows
-        self.last_clients = clients
+        view = ex.snapshot() if handle is not None else ex
+        self._pending = _Pending(rnd, row, handle, view, clients, client_rows)
+        if handle is None:
+            self._finish_pending()
         return row
+
+    def _finish_pending(self) -> bool:
+        """Complete the waiting round's row with its server evaluation, record it and run the
+        callbacks on it, in round order. Returns whether a callback asked to stop."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._stop
+        assert self.executor is not None
+        wait = time.perf_counter()
+        pending.row.update(self.executor.collect_eval(pending.handle))
+        if pending.handle is not None:
+            pending.row["time/eval_wait_s"] = time.perf_counter() - wait
+        self.result.history.append(pending.row)
+        self.last_client_rows = pending.client_rows
+        self.last_clients = pending.clients
+        for cb in self.callbacks:
+            cb.on_round_state(
+                self.cfg, pending.round, pending.clients, pending.view, self.result.history
+            )
+        for cb in self.callbacks:
+            cb.on_round_end(self, pending.round, pending.row)
+        self._stop = any(cb.should_stop for cb in self.callbacks)
+        return self._stop
+
+
+@dataclass
+class _Pending:
+    """A finished round whose row waits for its server evaluation."""
+
+    round: int
+    row: dict[str, float]
+    handle: Any  # Executor.collect_eval's handle; None: the row is complete
+    view: Any  # the states at the end of the round (Executor.snapshot), for checkpoints
+    clients: list[int]
+    client_rows: list[ClientMetrics]

@@ -6,8 +6,9 @@ actor (with its own CPU/GPU share) by the Ray executor.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -161,10 +162,25 @@ class ServerRunner:
         self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
         metrics.update(self.server.update(self.data, rnd))
         if evaluate:
-            for name, model in self.server.eval_models().items():
-                correct, total = accuracy(model, self.data.batches("test"))
-                metrics[f"{name}/acc"] = correct / total if total else float("nan")
+            metrics.update(self.score(self.server.eval_models()))
         return metrics
+
+    def score(self, models: Mapping[str, nn.Module]) -> dict[str, float]:
+        """`<name>/acc` of each server model on the server test set."""
+        return score_models(models, self.data)
+
+    def step_deferred(
+        self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool
+    ) -> tuple[dict[str, float], dict[str, nn.Module]]:
+        """The step without its evaluation, and copies (on the CPU) of the models it would have
+        scored: whoever scores them later gets the numbers `step` would have returned."""
+        metrics = self.step(round_idx, reply_lists, evaluate=False)
+        models = {}
+        if evaluate:
+            models = {
+                name: copy.deepcopy(m).to("cpu") for name, m in self.server.eval_models().items()
+            }
+        return metrics, models
 
     def state_dict(self) -> dict[str, Any]:
         return self.server.state_dict()
@@ -173,10 +189,52 @@ class ServerRunner:
         self.server.load_state_dict(state)
 
 
+def score_models(models: Mapping[str, nn.Module], data: EngineServerData) -> dict[str, float]:
+    """`<name>/acc` of each model on the server test set (in eval mode, under inference mode)."""
+    out = {}
+    for name, model in models.items():
+        model.to(data.device)
+        correct, total = accuracy(model, data.batches("test"))
+        out[f"{name}/acc"] = correct / total if total else float("nan")
+    return out
+
+
+class ServerEvaluator:
+    """Ray actor that scores the server's models on the server test set while the next round's
+    clients train (`engine.pipeline_eval`): evaluation feeds no broadcast, so it need not hold
+    up the round. Same data, batch size and threads as the server: same numbers."""
+
+    spec: RunSpec
+    data: EngineServerData
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
+        self.spec = spec
+        gpus = ray.get_gpu_ids()
+        device = resolve_device("cpu" if spec.device == "cpu" or not gpus else "auto", gpus)
+        self.data = EngineServerData(federation, device, spec.train)
+
+    def score(self, models: dict[str, nn.Module]) -> dict[str, float]:
+        with torch_threads(self.spec.server_threads):
+            return score_models(models, self.data)
+
+    def device(self) -> str:
+        return str(self.data.device)
+
+
 class ServerActor:
     """Ray actor around a `ServerRunner`, reserving `engine.server_resources`."""
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+    runner: ServerRunner
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:
@@ -185,6 +243,13 @@ class ServerActor:
 
     def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:
         return self.runner.step(round_idx, reply_lists, evaluate)
+
+    def step_deferred(
+        self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]
+    ) -> tuple[dict[str, float], dict[str, Any], dict[str, nn.Module]]:
+        """`step_and_state` without the evaluation, plus the models to score (num_returns=3)."""
+        metrics, models = self.runner.step_deferred(round_idx, reply_lists, evaluate)
+        return metrics, self.runner.state_dict(), models
 
     def step_and_state(
         self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]

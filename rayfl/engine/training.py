@@ -258,7 +258,7 @@ class LocalTrainer:
         )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def accuracy(model: nn.Module, batches: Iterable[Batch]) -> tuple[int, int]:
     """(correct, total) of `model` over `batches` in eval mode."""
     model.eval()

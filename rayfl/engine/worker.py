@@ -240,7 +240,15 @@ class ClientRunner:
 class ClientWorker:
     """Ray actor around a `ClientRunner`; created with `ray.remote(ClientWorker).options(...)`."""
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+    runner: ClientRunner
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        # Started without them, the process imports torch while the driver loads the data;
+        # `setup` then completes it (rayfl.engine.startup).
+        if spec is not None and federation is not None:
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
         # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
         self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
@@ -279,4 +287,10 @@ class ClientWorker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device),
             "torch_threads": torch.get_num_threads(),
+            # peak GPU memory this worker's training allocated (0 on the CPU)
+            "cuda_max_memory_mb": (
+                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
+                if self.runner.device.type == "cuda"
+                else 0.0
+            ),
         }

@@ -159,3 +159,19 @@ def test_plot_label_distribution_writes_png(dataset, tmp_path):
     path = plot_label_distribution(fed, tmp_path / "plots" / "labels.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_label_distribution_of_many_clients_is_an_image(dataset, tmp_path, monkeypatch):
+    # Above MAX_BAR_CLIENTS clients the plot is one image row per client, not a bar per class.
+    from matplotlib.axes import Axes
+
+    import rayfl.data.federated as federated
+
+    def no_bars(*args, **kwargs):
+        raise AssertionError("drew bars")
+
+    monkeypatch.setattr(federated, "MAX_BAR_CLIENTS", 4)
+    monkeypatch.setattr(Axes, "barh", no_bars)
+    fed = build(dataset)
+    path = plot_label_distribution(fed, tmp_path / "labels.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

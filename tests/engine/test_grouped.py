@@ -39,7 +39,7 @@ def run(name: str, grouped_on: bool, extra: list[str]):
     grouped.COUNTS.clear()
     for archs in (None, FALLBACK_ARCHS):
         raw = contract_raw(name, archs)
-        raw["data"]["num_clients"] = 6  # two or three clients per architecture in the call
+        raw["data"]["num_clients"] = 4  # two clients per architecture in the call
         try:
             cfg = build_config(raw, [f"engine.grouped={str(grouped_on).lower()}", *extra])
             sim = Simulation(cfg, "/tmp/unused")

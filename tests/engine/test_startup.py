@@ -1,0 +1,56 @@
+"""Start-up phases: measured, recorded in the first row, and Ray started beside the data load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfl.config import build_config
+from rayfl.engine.loop import Simulation
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serial_run_records_its_start_up_in_the_first_row(synthetic_raw):
+    history = Simulation(build_config(synthetic_raw), "/tmp/unused").run().history
+    first = history[0]
+    for phase in ("imports", "data_load", "executor", "first_round_at"):
+        assert first[f"time/startup/{phase}_s"] >= 0.0
+    assert first["time/startup/first_round_at_s"] >= first["time/startup/imports_s"]
+    assert not any(k.startswith("time/startup/") for k in history[1])
+
+
+@pytest.mark.ray
+def test_ray_run_records_the_actor_phases(ray_local, synthetic_raw):
+    first = Simulation(build_config(synthetic_raw, ["engine.executor=ray"]), "/tmp/unused")
+    first = first.run().history[0]
+    for phase in ("ray_start", "actors_launch", "data_load", "dataset_put", "actors_ready"):
+        assert f"time/startup/{phase}_s" in first
+
+
+@pytest.mark.ray
+def test_rayfl_run_starts_its_own_ray_in_a_thread_and_finishes(tmp_path, synthetic_raw):
+    # The thread that starts Ray must outlive it (Ray's daemons die with their parent thread):
+    # a run longer than a moment would otherwise end with exit 1 and no traceback.
+    synthetic_raw["engine"].update(executor="ray", ray_num_cpus=2, rounds=2)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(synthetic_raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayfl.cli", "-v", "run", str(config), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "start-up: imports" in proc.stderr
+    final = json.loads((tmp_path / "r" / "summary.json").read_text())["final"]
+    assert final["time/startup/ray_start_s"] > 0
