@@ -57,7 +57,7 @@ from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 from rayfl.algorithms.base import Client, Payload, Reply, TrainSettings
-from rayfl.engine.training import LocalTrainer
+from rayfl.engine.training import LocalTrainer, per_module
 from rayfl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -84,8 +84,16 @@ class StackedOptimizer:
     clients train their batches in order and only skip steps after their last one.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], settings: TrainSettings, lr: float):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        settings: TrainSettings,
+        lr: float,
+        clip_groups: Sequence[Sequence[str]] | None = None,
+    ):
         self.params = params
+        # gradient clipping per group of names, as `minibatch_loop` clips per module
+        self.clip_groups = [list(params)] if clip_groups is None else [list(g) for g in clip_groups]
         self.s = settings
         self.lr = lr
         self.state: dict[str, dict[str, torch.Tensor]] = {
@@ -105,7 +113,10 @@ class StackedOptimizer:
     def step(self, grads: dict[str, torch.Tensor], idx: torch.Tensor | None, step_idx: int) -> None:
         s = self.s
         if s.grad_clip is not None:
-            clip_(grads, s.grad_clip)
+            for group in self.clip_groups:
+                part = {n: grads[n] for n in group if n in grads}
+                if part:
+                    clip_(part, s.grad_clip)
         for name, g in grads.items():
             full = self.params[name]
             p = self._get(full, idx)
@@ -280,6 +291,7 @@ def train_group(reqs: Sequence[RunRequest], settings: TrainSettings) -> list[dic
     if any(id(p) not in names for p in lead.params):
         raise CannotGroup("the step trains parameters outside the client's modules")
     trained_names = [names[id(p)] for p in lead.params]
+    clip_groups = [[names[id(p)] for p in g] for g in per_module(lead.params, lead.modules)]
     stacked = {n: v.detach() for n, v in params.items()}
     fixed = {n: v for n, v in stacked.items() if n not in trained_names}
     fixed.update(buffers)
@@ -287,7 +299,7 @@ def train_group(reqs: Sequence[RunRequest], settings: TrainSettings) -> list[dic
     states = [r.trainer.generator.get_state() for r in reqs]
     batches = [_batches(r) for r in reqs]
     try:
-        return _train(reqs, containers[0], trained, fixed, batches, settings, k)
+        return _train(reqs, containers[0], trained, fixed, batches, settings, k, clip_groups)
     except CannotGroup:
         for r, s in zip(reqs, states):
             r.trainer.generator.set_state(s)
@@ -306,6 +318,7 @@ def _train(
     batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
     settings: TrainSettings,
     k: int,
+    clip_groups: list[list[str]],
 ) -> list[dict[str, float]]:
     device = next(iter(trained.values())).device if trained else torch.device("cpu")
 
@@ -321,7 +334,7 @@ def _train(
         # leaves them alone (no weight decay, no momentum): find them once, on client 0.
         used = _used(loss_of, trained, fixed, batches[0][0])
         trained = {n: v for n, v in trained.items() if n in used}
-    opt = StackedOptimizer(trained, settings, reqs[0].lr)
+    opt = StackedOptimizer(trained, settings, reqs[0].lr, clip_groups)
     totals = torch.zeros(k, device=device)
     counts = [0] * k
     steps = max((len(b) for b in batches), default=0)
