@@ -149,19 +149,27 @@ def build_proxy(params: PFedESParams, in_shape: tuple[int, ...], num_classes: in
     return make(params, in_shape, num_classes)
 
 
+def _variant_new(
+    base: type[Any], cls: type[Any], half: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`__new__` of both halves: `base(ctx, params)` builds the `half` ("client" or "server") of
+    `params.variant` from the VARIANTS table; a subclass named directly is built as itself."""
+    if cls is not base:
+        return super(base, cls).__new__(cls)
+    params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
+    target: Any = getattr(VARIANTS[params.variant], half)
+    if not issubclass(target, base):
+        return target(*args, **kwargs)  # a variant with halves of its own (stats)
+    return super(base, base).__new__(target)
+
+
 class PFedESClient(ModelClient[PFedESParams]):
     """What every variant shares: a private local model, a proxy that travels, and a frozen copy
     of the global proxy received this round (`self.received`). `PFedESClient(ctx, params)`
     returns the client class of `params.variant`."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is not PFedESClient:
-            return super().__new__(cls)
-        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
-        target: Any = VARIANTS[params.variant].client
-        if not issubclass(target, PFedESClient):
-            return target(*args, **kwargs)  # a variant with halves of its own (stats)
-        return super().__new__(target)
+        return _variant_new(PFedESClient, cls, "client", args, kwargs)
 
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
@@ -269,13 +277,7 @@ class PFedESServer(Server[PFedESParams]):
         return VARIANTS[params.variant].server
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is not PFedESServer:
-            return super().__new__(cls)
-        params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
-        target: Any = VARIANTS[params.variant].server
-        if not issubclass(target, PFedESServer):
-            return target(*args, **kwargs)  # a variant with halves of its own (stats)
-        return super().__new__(target)
+        return _variant_new(PFedESServer, cls, "server", args, kwargs)
 
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
