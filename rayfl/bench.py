@@ -15,10 +15,13 @@ data loading, actors, every round and the shutdown. While it runs, the driver's 
 and the proportional memory (PSS) of every process it started (Ray's daemons and workers) are
 sampled; inside the run, a callback samples the object store's use.
 
-The compute floor: the same clients trained one after another in one single-thread process
-without Ray (the serial executor, `num_threads=1`); the floor of a variant with W workers is
-the floor run's summed client training time divided by W: what W perfectly busy workers would
-need. Every variant's end-to-end time is printed as a ratio to its floor. Nothing here asserts
+The compute floor of a variant with W workers: W single-thread processes without Ray, started
+together, that share the run's client trainings (every sampled client of every round, split
+longest first so each process gets the same work) and do nothing else: no server step, no
+evaluation. Its end-to-end time is from their start to the last one's exit, imports and data
+loading included: what W perfectly busy workers on this machine need for the training alone,
+with the same contention for the cores that the variant's W workers meet. Every variant's
+end-to-end time is printed as a ratio to the floor of its worker count. Nothing here asserts
 speed: it measures and prints.
 """
 
@@ -33,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,11 @@ from rayfl.errors import ConfigError, UserError
 
 FLOOR = "floor"
 FLOOR_OVERRIDES = ["engine.executor=serial", "engine.num_threads=1", "engine.server_threads=1"]
+RUN_OVERRIDES = ["tracking.backend=none", "engine.checkpoint_every=0"]
+
+
+def floor_label(workers: int) -> str:
+    return f"{FLOOR}-{workers}w"
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,13 @@ class Bench:
     variants: dict[str, list[str]]
     warmup_rounds: int
     floor: bool = True
+    overrides: tuple[str, ...] = ()
+
+    def floors(self) -> list[int]:
+        """The worker counts whose compute floor the variants are compared with."""
+        if not self.floor:
+            return []
+        return sorted({planned_workers(build_config(self.base, v)) for v in self.variants.values()})
 
 
 def load_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Bench:
@@ -74,14 +89,22 @@ def load_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
             f"unknown key bench.{sorted(unknown)[0]}; valid keys: variants, warmup_rounds, floor"
         )
     variants = {str(k): [*map(str, v or []), *overrides] for k, v in section["variants"].items()}
-    if FLOOR in variants:
+    if any(k == FLOOR or k.startswith(f"{FLOOR}-") for k in variants):
         raise ConfigError(f"bench.variants: {FLOOR!r} is reserved for the compute floor")
-    floor = bool(section.get("floor", True))
-    if floor:
-        variants[FLOOR] = [*overrides, *FLOOR_OVERRIDES]
     for extra in variants.values():
         build_config(raw, extra)  # every variant must be a valid run
-    return Bench(raw, variants, int(section.get("warmup_rounds", 1)), floor)
+    floor = bool(section.get("floor", True))
+    return Bench(raw, variants, int(section.get("warmup_rounds", 1)), floor, tuple(overrides))
+
+
+def only(bench: Bench, labels: list[str]) -> Bench:
+    """The benchmark restricted to the variants `labels` (their floors stay)."""
+    unknown = [x for x in labels if x not in bench.variants]
+    if unknown:
+        raise ConfigError(
+            f"--only {unknown[0]!r}: no such variant; this benchmark has {', '.join(bench.variants)}"
+        )
+    return replace(bench, variants={k: v for k, v in bench.variants.items() if k in labels})
 
 
 def planned_workers(cfg: RunConfig) -> int:
@@ -168,9 +191,106 @@ def object_store_use() -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def run_floor(
+    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: Path
+) -> dict[str, Any]:
+    """The compute floor of `workers` workers: that many single-thread processes, started
+    together, each training its share of the run's clients (`floor_shares`); end to end is from
+    their start to the last exit."""
+    cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "bench_config.yaml"
+    config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    reports = [out / f"share{k}.json" for k in range(workers)]
+    start = time.perf_counter()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "rayfl.bench", "--floor", str(config_path), str(path)]
+            + [str(k), str(workers)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k, path in enumerate(reports)
+    ]
+    with TreeMemory(os.getpid()) as mem:  # the floor's processes are this one's children
+        outputs = [child.communicate()[0] for child in children]
+    wall_s = time.perf_counter() - start
+    for child, output in zip(children, outputs):
+        if child.returncode != 0:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            raise UserError(f"benchmark floor failed (exit {child.returncode}):\n{tail}")
+    shares = [json.loads(path.read_text()) for path in reports]
+    return {
+        "rounds": [],
+        "floor": True,
+        "wall_s": wall_s,
+        "workers": workers,
+        "clients": cfg.data.num_clients,
+        "per_round": clients_per_round(cfg),
+        "startup_s": max(x["startup_s"] for x in shares),
+        "in_run_s": max(x["train_s"] for x in shares),
+        "train_s": sum(x["train_s"] for x in shares),
+        "trainings": sum(x["trainings"] for x in shares),
+        "driver_peak_mb": float("nan"),
+        "ray_peak_mb": float("nan"),
+        "total_peak_mb": mem.others_peak / 2**20,
+        "store_peak_mb": 0.0,
+    }
+
+
+def floor_shares(
+    cfg: RunConfig, train_sizes: list[int], workers: int
+) -> list[list[tuple[int, int]]]:
+    """The run's client trainings, (round, client) for every sampled client of every round,
+    split over `workers` so that each gets the same number of samples to train (largest first,
+    each to the least loaded)."""
+    from rayfl.engine.sampling import sample_clients
+
+    per_round = clients_per_round(cfg)
+    jobs = [
+        (rnd, c)
+        for rnd in range(1, cfg.engine.rounds + 1)
+        for c in sample_clients(cfg.seed, rnd, cfg.data.num_clients, per_round)
+    ]
+    jobs.sort(key=lambda j: (-train_sizes[j[1]], j))
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for job in jobs:
+        k = min(range(workers), key=lambda i: (load[i], i))
+        shares[k].append(job)
+        load[k] += train_sizes[job[1]]
+    return [sorted(share) for share in shares]
+
+
+def _floor_main(config_path: str, report_path: str, share: int, workers: int) -> None:
+    """One process of the floor: load the data as a run does, then train this share's clients
+    with the serial executor, the same code a worker runs; nothing else."""
+    from rayfl.config import load_config
+    from rayfl.engine.executor import SerialExecutor
+    from rayfl.engine.loop import Simulation
+    from rayfl.engine.startup import StartupClock
+
+    clock = StartupClock()
+    cfg = load_config(config_path)
+    sim = Simulation(cfg, Path(report_path).parent)
+    executor = SerialExecutor(sim.spec, sim.federation)
+    jobs = floor_shares(cfg, [len(c.train) for c in sim.federation.clients], workers)[share]
+    startup_s = clock.since_start()
+    train_s = 0.0
+    for rnd in sorted({r for r, _ in jobs}):
+        clients = [c for r, c in jobs if r == rnd]
+        _, payloads = executor.broadcast(rnd, sorted({sim.archs[c] for c in clients}))
+        start = time.perf_counter()
+        executor.fit(rnd, clients, payloads, False)
+        train_s += time.perf_counter() - start
+    report = {"startup_s": startup_s, "train_s": train_s, "trainings": len(jobs)}
+    Path(report_path).write_text(json.dumps(report))
+
+
 def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[str, Any]:
     """Run one variant in its own process; its wall time, memory and the run's own numbers."""
-    cfg = build_config(raw, [*overrides, "tracking.backend=none", "engine.checkpoint_every=0"])
+    cfg = build_config(raw, [*overrides, *RUN_OVERRIDES])
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "bench_config.yaml"
     config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -226,6 +346,15 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
 
 
 def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
+    if r.get("floor"):
+        return {
+            **r,
+            "round_s": r["in_run_s"] / max(1, r["trainings"] / r["per_round"] / r["workers"]),
+            "overhead_s": 0.0,
+            "server_s": 0.0,
+            "up_mb": 0.0,
+            "acc": float("nan"),
+        }
     rows = r["rounds"]
     steady = rows[warmup:] or rows
     first = rows[0] if rows else {}
@@ -249,20 +378,20 @@ def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
 
 
 def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -> str:
-    floor = results.get(FLOOR)
     lines = [
         f"benchmark {name}: end to end = the variant's process from command to exit; "
         f"{bench.warmup_rounds} warm-up round(s) left out of s/round",
-        f"  {'variant':12s} {'clients':>7s} {'/round':>6s} {'workers':>7s} {'e2e s':>8s} "
+        f"  {'variant':14s} {'clients':>7s} {'/round':>6s} {'workers':>7s} {'e2e s':>8s} "
         f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'clients/s':>9s} {'train s':>8s} "
         f"{'overhead':>8s} {'server s':>8s} {'up MB':>7s} {'acc':>6s} "
         f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'floor s':>8s} {'x floor':>7s}",
     ]
     for label, r in results.items():
-        floor_s = floor["train_s"] / r["workers"] if floor else float("nan")
+        floor = results.get(floor_label(r["workers"]))
+        floor_s = floor["wall_s"] if floor else float("nan")
         ratio = r["wall_s"] / floor_s if floor and floor_s > 0 else float("nan")
         lines.append(
-            f"  {label:12s} {r['clients']:7d} {r['per_round']:6.0f} {r['workers']:7d} "
+            f"  {label:14s} {r['clients']:7d} {r['per_round']:6.0f} {r['workers']:7d} "
             f"{r['wall_s']:8.1f} {r['startup_s']:7.1f} {r['in_run_s']:8.1f} {r['round_s']:8.2f} "
             f"{r['per_round'] / r['round_s'] if r['round_s'] else float('nan'):9.1f} "
             f"{r['train_s']:8.1f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {r['up_mb']:7.3f} "
@@ -271,26 +400,38 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         )
     lines.append(
         "  e2e = wall time of the variant's process (imports, Ray start, data, actors, rounds, exit); "
-        "startup = process start to first round; clients/s = clients per round / steady s/round; train s = client training measured inside the "
-        "workers, summed over the run; overhead = client phase per round - its training / workers "
-        "(state moves, calls, client evaluation); server s = server step per round; up MB = "
-        "uploads per round; floor s = the floor run's train s / this variant's workers (one "
-        "single-thread process, no Ray); x floor = e2e / floor s; ray MB = summed PSS of the "
-        "processes the run started (Ray daemons, workers), peak; total = driver + ray; store = "
-        "object store in use, peak"
+        "startup = process start to first round; clients/s = clients per round / steady s/round; "
+        "train s = client training measured inside the workers, summed over the run; overhead = "
+        "client phase per round - its training / workers (state moves, calls, client evaluation); "
+        "server s = server step per round; up MB = uploads per round; "
+        f"{floor_label(0).replace('0', 'W')} = the compute floor of W workers: W single-thread "
+        "processes without Ray, started together, sharing the run's client trainings and nothing "
+        "else (e2e: their start to the last exit; in-run: the longest share's training); floor s "
+        "= the e2e of the floor with this variant's workers; x floor = e2e / floor s; ray MB = "
+        "summed PSS of the processes the run started (Ray daemons, workers), peak; total = driver "
+        "+ ray (a floor: its processes); store = object store in use, peak"
     )
     return "\n".join(lines)
 
 
 def run_bench(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    out: str | Path | None = None,
+    variants: list[str] | None = None,
 ) -> str:
     bench = load_bench(path, overrides)
+    if variants:
+        bench = only(bench, variants)
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="rayfl-bench-"))
     results: dict[str, dict[str, Any]] = {}
-    order = ([FLOOR] if bench.floor else []) + [k for k in bench.variants if k != FLOOR]
-    for label in order:
-        report = run_variant(bench.base, bench.variants[label], root / label)
+    for workers in bench.floors():
+        label = floor_label(workers)
+        report = run_floor(bench.base, bench.overrides, workers, root / label)
+        results[label] = summarize(report, bench.warmup_rounds)
+        print(f"  ... {label}: {report['wall_s']:.1f} s end to end", file=sys.stderr, flush=True)
+    for label, extra in bench.variants.items():
+        report = run_variant(bench.base, extra, root / label)
         results[label] = summarize(report, bench.warmup_rounds)
         print(f"  ... {label}: {report['wall_s']:.1f} s end to end", file=sys.stderr, flush=True)
     text = format_report(Path(path).name, bench, results)
@@ -300,9 +441,15 @@ def run_bench(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayfl.bench")
-    parser.add_argument("--variant", nargs=2, metavar=("CONFIG", "RUN_DIR"), required=True)
+    child = parser.add_mutually_exclusive_group(required=True)
+    child.add_argument("--variant", nargs=2, metavar=("CONFIG", "RUN_DIR"))
+    child.add_argument("--floor", nargs=4, metavar=("CONFIG", "REPORT", "SHARE", "WORKERS"))
     args = parser.parse_args(argv)
-    _variant_main(*args.variant)
+    if args.variant:
+        _variant_main(*args.variant)
+    else:
+        config, report, share, workers = args.floor
+        _floor_main(config, report, int(share), int(workers))
     return 0
 
 

@@ -215,7 +215,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rayfl.bench import run_bench
 
-    print(run_bench(args.config, args.overrides, out=args.out))
+    print(run_bench(args.config, args.overrides, out=args.out, variants=args.only))
     return 0
 
 
@@ -262,7 +262,8 @@ EXAMPLES = {
   rayfl ls engine     # a config section's keys""",
     "bench": """examples:
   rayfl bench experiments/benchmarks/throughput.yaml
-  rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2""",
+  rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2
+  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --out bench-fedavg""",
     "compare": """examples:
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
@@ -337,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument(
         "--out", help="folder for the variants' runs and report.txt (default: a temp dir)"
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="VARIANT",
+        help="run only these variants (and the floors of their worker counts)",
     )
     p.set_defaults(fn=cmd_bench)
 

@@ -7,7 +7,19 @@ import copy
 import pytest
 import yaml
 
-from rayfl.bench import FLOOR, Bench, format_report, load_bench, run_bench, summarize
+from rayfl.bench import (
+    FLOOR,
+    Bench,
+    floor_label,
+    floor_shares,
+    format_report,
+    load_bench,
+    only,
+    run_bench,
+    summarize,
+)
+from rayfl.config import build_config
+from rayfl.engine.sampling import sample_clients
 from rayfl.errors import ConfigError
 from tests.conftest import SYNTHETIC
 
@@ -21,16 +33,42 @@ def bench_file(tmp_path, section):
     return path
 
 
-def test_the_floor_is_a_single_thread_serial_variant_and_overrides_win(tmp_path):
-    path = bench_file(tmp_path, {"variants": {"ray": ["engine.executor=ray"]}})
+def test_overrides_win_and_each_worker_count_gets_its_floor(tmp_path):
+    variants = {
+        "ray": ["engine.executor=ray", "engine.num_workers=2"],
+        "ray3": ["engine.executor=ray", "engine.num_workers=3"],
+        "serial": [],
+    }
+    path = bench_file(tmp_path, {"variants": variants})
     bench = load_bench(path, ["engine.rounds=2"])
-    assert list(bench.variants) == ["ray", FLOOR]
-    assert bench.variants["ray"] == ["engine.executor=ray", "engine.rounds=2"]
-    assert "engine.num_threads=1" in bench.variants[FLOOR]
+    assert list(bench.variants) == ["ray", "ray3", "serial"]
+    assert bench.variants["ray"] == [
+        "engine.executor=ray",
+        "engine.num_workers=2",
+        "engine.rounds=2",
+    ]
+    assert bench.floors() == [1, 2, 3]
+    assert only(bench, ["ray"]).floors() == [2]
+    with pytest.raises(ConfigError, match="no such variant; this benchmark has ray, ray3, serial"):
+        only(bench, ["grouped"])
     off = load_bench(bench_file(tmp_path, {"variants": {"a": []}, "floor": False}))
-    assert FLOOR not in off.variants
+    assert off.floors() == []
     with pytest.raises(ConfigError, match="reserved"):
         load_bench(bench_file(tmp_path, {"variants": {FLOOR: []}}))
+    with pytest.raises(ConfigError, match="reserved"):
+        load_bench(bench_file(tmp_path, {"variants": {floor_label(2): []}}))
+
+
+def test_floor_shares_hold_every_training_once_with_equal_work():
+    cfg = build_config(SYNTHETIC, ["engine.rounds=4", "data.num_clients=5", "engine.fraction=0.6"])
+    sizes = [50, 10, 40, 30, 20]
+    shares = floor_shares(cfg, sizes, 2)
+    jobs = sorted(j for share in shares for j in share)
+    expected = sorted((r, c) for r in range(1, 5) for c in sample_clients(cfg.seed, r, 5, 3))
+    assert jobs == expected  # every sampled client of every round, once
+    loads = [sum(sizes[c] for _, c in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= max(sizes)  # largest first: within one client
+    assert all(share == sorted(share) for share in shares)  # trained in round order
 
 
 def report(wall, train, workers, rounds):
@@ -53,15 +91,48 @@ def report(wall, train, workers, rounds):
     )
 
 
-def test_ratios_to_the_floor_golden():
-    results = {FLOOR: report(50.0, 40.0, 1, [10.0, 10.0]), "ray": report(30.0, 44.0, 2, [9.0, 5.0])}
+def floor_report(wall, train, workers, startup=3.0):
+    return summarize(
+        {
+            "rounds": [],
+            "floor": True,
+            "wall_s": wall,
+            "workers": workers,
+            "clients": 4,
+            "per_round": 4,
+            "startup_s": startup,
+            "in_run_s": train / workers,
+            "train_s": train,
+            "trainings": 8,
+            "driver_peak_mb": float("nan"),
+            "ray_peak_mb": float("nan"),
+            "total_peak_mb": 3.0,
+            "store_peak_mb": 0.0,
+        },
+        warmup=1,
+    )
+
+
+def test_ratios_to_the_floor_of_the_same_worker_count_golden():
+    results = {
+        floor_label(1): floor_report(45.0, 40.0, 1),
+        floor_label(2): floor_report(25.0, 44.0, 2),
+        "ray": report(30.0, 44.0, 2, [9.0, 5.0]),
+        "serial": report(50.0, 40.0, 1, [10.0, 10.0]),
+    }
     assert results["ray"]["round_s"] == 5.0  # the warm-up round is left out
+    # 8 trainings of 4 clients a round over 2 workers = 1 round each; its in-run 22 s
+    assert results[floor_label(2)]["round_s"] == 22.0
     text = format_report("x.yaml", Bench({}, {}, 1), results)
-    ray_line = next(line for line in text.splitlines() if line.strip().startswith("ray"))
-    # floor of 2 workers = 40 s / 2 = 20 s; 30 s end to end -> 1.50x
-    assert ray_line.split()[-2:] == ["20.0", "1.50"]
-    floor_line = next(line for line in text.splitlines() if line.strip().startswith(FLOOR))
-    assert floor_line.split()[-2:] == ["40.0", "1.25"]
+
+    def tail(label):
+        line = next(x for x in text.splitlines() if x.strip().split()[:1] == [label])
+        return line.split()[-2:]
+
+    # ray (2 workers): 30 s end to end against the 2-worker floor's 25 s -> 1.20x
+    assert tail("ray") == ["25.0", "1.20"]
+    assert tail("serial") == ["45.0", "1.11"]
+    assert tail(floor_label(2)) == ["25.0", "1.00"]
 
 
 def test_bench_runs_each_variant_as_a_process(tmp_path):
@@ -69,6 +140,8 @@ def test_bench_runs_each_variant_as_a_process(tmp_path):
     text = run_bench(path, ["data.num_clients=3"], out=tmp_path / "out")
     lines = text.splitlines()
     assert any(line.strip().startswith("serial") for line in lines)
-    assert any(line.strip().startswith(FLOOR) for line in lines)
+    floor = next(line.split() for line in lines if line.strip().startswith(floor_label(1)))
+    assert floor[-1] == "1.00"
     assert (tmp_path / "out" / "report.txt").exists()
+    assert (tmp_path / "out" / floor_label(1) / "share0.json").exists()
     assert (tmp_path / "out" / "serial" / "run" / "summary.json").exists()
