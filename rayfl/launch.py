@@ -58,31 +58,52 @@ def _simulate_locked(
     parent_run_id: str | None,
     extra_callbacks: Sequence[Any],
 ) -> Any:
-    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
-    from rayfl.engine.loop import Simulation
-    from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
-    from rayfl.tracking import make_tracker
-    from rayfl.tracking.provenance import run_name_for
+    from rayfl.config import clients_per_round
+    from rayfl.engine.startup import EarlyRay, StartupClock
 
-    sim = Simulation(cfg, run_dir)
-    out = RunDirectory(run_dir)
-    previous = read_mlflow_run(run_dir) if resume else None
-    tracker = make_tracker(
-        cfg.tracking.backend,
-        experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or run_name_for(cfg),
-        tracking_uri=cfg.tracking.uri,
-        parent_run_id=parent_run_id,
-        run_id=previous["run_id"] if previous else None,
+    # Ray starts first, in a thread, while this thread imports the engine (torch) and loads data.
+    clock = StartupClock()
+    early = (
+        EarlyRay(cfg.engine, clients_per_round(cfg), clock, imported=False)
+        if cfg.engine.executor == "ray"
+        else None
     )
-    run_id = getattr(tracker, "run_id", None)
-    if cfg.tracking.backend == "mlflow" and run_id:
-        write_mlflow_run(run_dir, run_id, getattr(tracker, "tracking_uri", "") or "")
-    sim.callbacks = [checkpoint, out]
-    sim.callbacks += list(extra_callbacks)
-    sim.callbacks.append(TrackerCallback(tracker, out))
-    if progress:
-        sim.callbacks.append(ProgressBar())
+    try:
+        from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
+        from rayfl.engine.loop import Simulation
+        from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
+        from rayfl.tracking import make_tracker
+        from rayfl.tracking.provenance import run_name_for
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
+    if early is not None:
+        early.imported.set()
+
+    sim = Simulation(cfg, run_dir, clock=clock, early=early)  # owns `early` from here
+    try:
+        out = RunDirectory(run_dir)
+        previous = read_mlflow_run(run_dir) if resume else None
+        tracker = make_tracker(
+            cfg.tracking.backend,
+            experiment=cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name or run_name_for(cfg),
+            tracking_uri=cfg.tracking.uri,
+            parent_run_id=parent_run_id,
+            run_id=previous["run_id"] if previous else None,
+        )
+        run_id = getattr(tracker, "run_id", None)
+        if cfg.tracking.backend == "mlflow" and run_id:
+            write_mlflow_run(run_dir, run_id, getattr(tracker, "tracking_uri", "") or "")
+        sim.callbacks = [checkpoint, out]
+        sim.callbacks += list(extra_callbacks)
+        sim.callbacks.append(TrackerCallback(tracker, out))
+        if progress:
+            sim.callbacks.append(ProgressBar())
+    except BaseException:  # nothing ran yet: stop what is starting
+        sim.cancel()
+        raise
     result = sim.run()
     result.run_dir = run_dir
     result.tracker_run_id = run_id

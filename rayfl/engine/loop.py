@@ -170,25 +170,31 @@ class Simulation:
     """One federated simulation: data, executor and the round loop, driven by callbacks."""
 
     def __init__(
-        self, cfg: RunConfig, run_dir: str | Path, callbacks: list[Callback] | None = None
+        self,
+        cfg: RunConfig,
+        run_dir: str | Path,
+        callbacks: list[Callback] | None = None,
+        *,
+        clock: StartupClock | None = None,
+        early: EarlyRay | None = None,
     ) -> None:
+        """`early`: Ray already starting for this run (`rayfl.launch.simulate` starts it before
+        the engine's imports, on `clock`); the simulation owns it from here."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.callbacks = list(callbacks or [])
-        self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-        family = family_from_config(cfg.model.family, cfg.model.architectures)
-        self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-        self.per_round = clients_per_round(cfg)
-        check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
-        self.clock = StartupClock()
-        self.clock.mark("imports")
-        # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
-        self._early = (
-            EarlyRay(cfg.engine, self.per_round, self.clock)
-            if cfg.engine.executor == "ray"
-            else None
-        )
+        self.clock = clock or StartupClock()
+        self._early = early
         try:
+            self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+            family = family_from_config(cfg.model.family, cfg.model.architectures)
+            self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
+            self.per_round = clients_per_round(cfg)
+            check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
+            self.clock.mark("imports")
+            # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
+            if self._early is None and cfg.engine.executor == "ray":
+                self._early = EarlyRay(cfg.engine, self.per_round, self.clock)
             with self.clock.phase("data_load"):
                 self.federation = prepare_federation(cfg)
             dataset = self.federation.dataset
@@ -257,6 +263,12 @@ class Simulation:
                 self.executor.close()
         return self.result
 
+    def cancel(self) -> None:
+        """Stop what the simulation started before `run` (Ray, when it was starting)."""
+        if self._early is not None:
+            early, self._early = self._early, None
+            early.cancel()
+
     def restore(self, restored: Restored) -> None:
         """Continue after a checkpoint: server and client states, history, next round."""
         assert self.executor is not None
@@ -269,7 +281,8 @@ class Simulation:
 
     def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float] | None:
         """One round. Its row reaches the history and the callbacks once its server evaluation
-        is in: with `engine.pipeline_eval` that is after the next round's clients have trained.
+        is in: with `engine.pipeline_eval` that is after the next round's clients have trained
+        (the last round's: after the run, scored by the server while the clients evaluate).
         Returns None when a callback stopped the run meanwhile (this round is then dropped)."""
         assert self.executor is not None
         cfg, ex = self.cfg, self.executor
@@ -284,10 +297,10 @@ class Simulation:
         fit_end = time.perf_counter()
         if self._finish_pending():
             return None
-        pipelined = cfg.engine.pipeline_eval and rnd < cfg.engine.rounds
         server_start = time.perf_counter()
-        if pipelined:
-            server_metrics, handle = ex.server_step_deferred(rnd, replies, evaluate)
+        if cfg.engine.pipeline_eval:
+            final = rnd == cfg.engine.rounds
+            server_metrics, handle = ex.server_step_deferred(rnd, replies, evaluate, final)
         else:
             server_metrics, handle = ex.server_step(rnd, replies, evaluate), None
         server_s = time.perf_counter() - server_start

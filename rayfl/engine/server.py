@@ -259,6 +259,12 @@ class ServerActor:
         metrics = self.runner.step(round_idx, reply_lists, evaluate)
         return metrics, self.runner.state_dict()
 
+    def score(self, models: dict[str, nn.Module]) -> dict[str, float]:
+        """Scores `step_deferred`'s models (the last round's: the server has nothing else to do
+        while the clients evaluate). Same data and threads as `step`: same numbers."""
+        with torch_threads(self.runner.spec.server_threads):
+            return self.runner.score(models)
+
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()
 

@@ -5,22 +5,30 @@ config), `ray_start`, `actors_launch` (asking Ray for the actors), `data_load`, 
 `actors_ready`, and `first_round_at` (from the process start to the first round). They are
 logged at INFO and added to the first round's row as `time/startup/<phase>_s`.
 
-What overlaps: `ray.init` runs in a thread while the data loads (when this process starts Ray);
-the actors' processes start (and import torch) before the dataset is put, and only then receive
-the spec and the dataset (`setup`); the server and the evaluation actor start beside the workers.
+What overlaps: `ray.init` runs in a thread (when this process starts Ray) from before the
+engine's imports (torch) until the data has loaded; the actors' processes start (and import
+torch) before the dataset is put, and only then receive the spec and the dataset (`setup`); the
+server starts beside the workers. Nothing waits for the actor that scores the server's models
+while the next round trains (`engine.pipeline_eval`): it starts when first used, and the last
+round's models are scored by the server itself while the clients evaluate.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
+
+from rayfl.errors import UserError
 
 if TYPE_CHECKING:
     from rayfl.config import EngineConfig
@@ -61,20 +69,26 @@ class StartupClock:
 
 
 class EarlyRay:
-    """Starts Ray and the actors' processes while the caller loads the data; `finish` hands them
-    the spec and the dataset. `ray.init` runs in a thread when this process has to start Ray.
+    """Starts Ray and then the actors' processes while the caller imports the engine (torch) and
+    loads the data; `finish` hands them the spec and the dataset. Creating one imports nothing
+    heavy, so `rayfl run` starts it before torch: Ray's start (4-6 s) overlaps the imports.
+    Created with `imported=False`, the thread imports the executor (torch) only after the caller
+    calls `imported.set()`: two threads importing one package with circular imports can fail
+    with Python's import-lock `_DeadlockError`.
 
-    That thread must outlive Ray: Ray's own processes (GCS, raylet) are started with a
-    parent-death signal, which Linux sends when the *thread* that started them exits. So the
-    thread waits until the executor has shut Ray down (`RayExecutor.close`).
+    When this process has to start Ray, it does so in a thread, which must outlive Ray: Ray's own
+    processes (GCS, raylet) are started with a parent-death signal, which Linux sends when the
+    *thread* that started them exits. So the thread waits until the executor has shut Ray down
+    (`RayExecutor.close`).
     """
 
-    def __init__(self, engine: EngineConfig, per_round: int, clock: StartupClock) -> None:
-        import ray
-
-        from rayfl.engine.executor import RayExecutor
-
-        self.executor = RayExecutor.__new__(RayExecutor)
+    def __init__(
+        self, engine: EngineConfig, per_round: int, clock: StartupClock, imported: bool = True
+    ) -> None:
+        self.executor: RayExecutor | None = None
+        self.imported = threading.Event()
+        if imported:
+            self.imported.set()
         self.error: BaseException | None = None
         self._args: tuple[Any, ...] = (engine, per_round, clock)
         self._launched = threading.Event()
@@ -83,19 +97,37 @@ class EarlyRay:
         # thread `init_ray` puts the caller's back, from a thread it cannot: `finish` does.
         main = threading.current_thread() is threading.main_thread()
         self._sigterm = signal.getsignal(signal.SIGTERM) if main else None
-        self._thread_started = False
-        if ray.is_initialized():  # nothing slow to hide (tests, Tune trials): stay on this thread
+        ray = sys.modules.get("ray")  # not imported: certainly not running
+        self._thread_started = not (ray is not None and ray.is_initialized())
+        if not self._thread_started:  # nothing slow to hide (tests, Tune trials): this thread
             self._launch()
         else:
-            self._thread_started = True
-            self.executor.after_shutdown = self._release.set
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
 
     def _launch(self) -> None:
+        engine, per_round, clock = self._args
+        started = False
         try:
-            self.executor.launch(*self._args)
+            with clock.phase("ray_start"):
+                started = init_ray(
+                    engine.address, engine.ray_num_cpus, engine.object_store_mb, engine.spill_dir
+                )
+            self.imported.wait()
+            from rayfl.engine.executor import RayExecutor
+
+            executor = RayExecutor.__new__(RayExecutor)
+            if self._thread_started:
+                executor.after_shutdown = self._release.set
+            executor.launch(engine, per_round, clock, started_ray=started)  # closes on failure
+            self.executor = executor
         except BaseException as exc:  # re-raised on the caller's thread by `finish`
             self.error = exc
+            if started and self.executor is None:
+                import ray
+
+                if ray.is_initialized():
+                    with suppress(Exception):
+                        ray.shutdown()
         finally:
             self._launched.set()
 
@@ -113,10 +145,78 @@ class EarlyRay:
         self._wait_launched()
         if self.error is not None:
             raise self.error
+        assert self.executor is not None
         self.executor.attach(spec, federation, self._args[2])
         return self.executor
 
     def cancel(self) -> None:
+        self.imported.set()
         self._wait_launched()
-        if self.error is None:
+        if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+class _NotMainThreadNote(logging.Filter):
+    """Drops Ray's warning that `ray.init` off the main thread sets no SIGTERM handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
+
+
+def init_ray(
+    address: str | None,
+    num_cpus: int | None,
+    object_store_mb: int | None = None,
+    spill_dir: str | None = None,
+) -> bool:
+    """Start a private local Ray (or join `address`); returns True when this call started it.
+
+    A local Ray gets an object store of `object_store_mb` (None: Ray's default, 30% of RAM) and
+    spills objects that do not fit to `spill_dir` (None: Ray's default, under its temp dir)
+    instead of failing: client state of thousands of clients can outgrow the store.
+
+    `ray.init` replaces the process's SIGTERM handler with one that exits at once; the caller's
+    handler (the CLI's, which stops a run like Ctrl-C) is put back.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "configure_logging": False,
+    }
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    quiet = _NotMainThreadNote()
+    if not main_thread:  # rayfl.engine.startup restores the caller's handler on the main thread
+        logging.getLogger("ray._private.worker").addFilter(quiet)
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            if object_store_mb is not None:
+                kwargs["object_store_memory"] = int(object_store_mb) * 2**20
+            if spill_dir is not None:
+                Path(spill_dir).mkdir(parents=True, exist_ok=True)
+                spilling = {"type": "filesystem", "params": {"directory_path": str(spill_dir)}}
+                kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
+            ray.init(address="local", num_cpus=num_cpus, **kwargs)
+    except ConnectionError as exc:
+        raise UserError(
+            f"could not reach the Ray cluster at engine.address={address!r} ({exc}); start one with "
+            "`ray start --head`, check the address, or drop engine.address to run a local Ray"
+        ) from None
+    except (TimeoutError, ray.exceptions.GetTimeoutError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"join engine.address={address!r}" if address else "start a local Ray"
+        raise UserError(
+            f"could not {where} ({first}); the machine may be overloaded or out of /tmp space "
+            "(set RAY_TMPDIR), or use engine.executor=serial"
+        ) from None
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+        if main_thread and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+    return True

@@ -50,7 +50,7 @@ def check(raw, base):
     # the checkpoint of round r holds round r's server state, not the next round's
     assert all(same_state(a, b) for a, b in zip(rec_off.server_states, rec_on.server_states))
     assert not same_state(rec_on.server_states[0], rec_on.server_states[1])
-    assert any("time/eval_wait_s" in r for r in on[:-1])
+    assert all("time/eval_wait_s" in r for r in on)  # the last round's too
 
 
 def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw):
@@ -60,6 +60,23 @@ def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw):
 @pytest.mark.ray
 def test_pipelined_evaluation_gives_the_same_rows_ray(ray_local, synthetic_raw):
     check(synthetic_raw, ["engine.rounds=3", "engine.executor=ray", "engine.num_workers=2"])
+
+
+@pytest.mark.ray
+def test_the_last_round_is_scored_by_the_server_without_an_evaluation_actor(
+    ray_local, synthetic_raw
+):
+    """Evaluation only after the last round: the server, idle then, scores its models while
+    the clients evaluate; no evaluation actor is started for it."""
+    base = ["engine.rounds=2", "engine.eval_every=2", "engine.executor=ray", "engine.num_workers=2"]
+    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"])
+    sim = Simulation(
+        build_config(synthetic_raw, [*base, "engine.pipeline_eval=true"]), "/tmp/unused"
+    )
+    on = sim.run().history
+    assert [comparable(r) for r in off] == [comparable(r) for r in on]
+    assert "proxy/acc" in on[-1] and "time/eval_wait_s" in on[-1]
+    assert sim.executor.evaluator is None
 
 
 class StopAfterFirst(Callback):
