@@ -92,6 +92,7 @@ class EarlyRay:
         self.error: BaseException | None = None
         self._args: tuple[Any, ...] = (engine, per_round, clock)
         self._launched = threading.Event()
+        self._cancelled = threading.Event()
         self._release = threading.Event()
         # `ray.init` installs Ray's own SIGTERM handler (it aborts the process); on the main
         # thread `init_ray` puts the caller's back, from a thread it cannot: `finish` does.
@@ -100,6 +101,7 @@ class EarlyRay:
         ray = sys.modules.get("ray")  # not imported: certainly not running
         self._thread_started = not (ray is not None and ray.is_initialized())
         if not self._thread_started:  # nothing slow to hide (tests, Tune trials): this thread
+            self.imported.set()  # no second thread imports: nothing to wait for
             self._launch()
         else:
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
@@ -113,6 +115,12 @@ class EarlyRay:
                     engine.address, engine.ray_num_cpus, engine.object_store_mb, engine.spill_dir
                 )
             self.imported.wait()
+            if self._cancelled.is_set():  # the caller failed (a config error): no actors
+                if started:
+                    import ray
+
+                    ray.shutdown()
+                return
             from rayfl.engine.executor import RayExecutor
 
             executor = RayExecutor.__new__(RayExecutor)
@@ -133,7 +141,7 @@ class EarlyRay:
 
     def _hold(self) -> None:
         self._launch()
-        if self.error is None:
+        if self.error is None and self.executor is not None:
             self._release.wait()
 
     def _wait_launched(self) -> None:
@@ -150,17 +158,33 @@ class EarlyRay:
         return self.executor
 
     def cancel(self) -> None:
+        """Stop what is starting: Ray, once its start is done; actors not yet launched never are."""
+        self._cancelled.set()
         self.imported.set()
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
 
 
-class _NotMainThreadNote(logging.Filter):
-    """Drops Ray's warning that `ray.init` off the main thread sets no SIGTERM handler."""
+class _DropRayNotes(logging.Filter):
+    """Drops Ray's start-up warnings that say nothing to a rayfl user: that `ray.init` off the
+    main thread sets no SIGTERM handler (rayfl puts the caller's back), and that the private
+    local cluster it starts has token authentication on (it is on; the cluster lives as long as
+    the run). A config error found while Ray starts must stay the only line on stderr."""
+
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "not the main thread" not in record.getMessage()
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+_RAY_START_LOGGERS = (
+    "ray._private.worker",
+    "ray._private.authentication.authentication_token_setup",
+)
 
 
 def init_ray(
@@ -189,9 +213,13 @@ def init_ray(
     }
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
-    quiet = _NotMainThreadNote()
-    if not main_thread:  # rayfl.engine.startup restores the caller's handler on the main thread
-        logging.getLogger("ray._private.worker").addFilter(quiet)
+    notes = [] if main_thread else ["not the main thread"]  # `finish` restores the handler
+    if not address:
+        notes.append("Token authentication is enabled for this Ray cluster")
+    quiet = _DropRayNotes(*notes)
+    loggers = [logging.getLogger(n) for n in _RAY_START_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -216,7 +244,8 @@ def init_ray(
             "(set RAY_TMPDIR), or use engine.executor=serial"
         ) from None
     finally:
-        logging.getLogger("ray._private.worker").removeFilter(quiet)
+        for logger in loggers:
+            logger.removeFilter(quiet)
         if main_thread and callable(previous):
             signal.signal(signal.SIGTERM, previous)
     return True

@@ -54,3 +54,40 @@ def test_rayfl_run_starts_its_own_ray_in_a_thread_and_finishes(tmp_path, synthet
     assert "start-up: imports" in proc.stderr
     final = json.loads((tmp_path / "r" / "summary.json").read_text())["final"]
     assert final["time/startup/ray_start_s"] > 0
+
+
+@pytest.mark.ray
+def test_simulate_inside_a_running_ray_does_not_wait_for_itself(ray_local, synthetic_raw, tmp_path):
+    # Suites on Ray run `simulate` inside Ray tasks and tests inside the session's Ray: Ray is
+    # already up, so nothing starts in a thread, and the launch must not wait for the imports
+    # that only the (absent) thread waits on. It did: CI hung here.
+    import threading
+
+    from rayfl.launch import simulate
+
+    cfg = build_config(synthetic_raw, ["engine.executor=ray", "engine.rounds=1"])
+    done: list[object] = []
+    runner = threading.Thread(target=lambda: done.append(simulate(cfg, tmp_path, progress=False)))
+    runner.daemon = True
+    runner.start()
+    runner.join(timeout=300)
+    assert done and done[0].status == "FINISHED"
+
+
+def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, synthetic_raw):
+    # `rayfl run` starts Ray before the checks that need torch; when one fails, `cancel` must
+    # not start the actors' processes only to stop them.
+    import ray
+
+    import rayfl.engine.executor as executor
+    from rayfl.engine import startup
+
+    launched: list[bool] = []
+    # as in `rayfl run`, where a thread starts Ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(startup, "init_ray", lambda *a, **k: False)  # joined: nothing to stop
+    monkeypatch.setattr(executor.RayExecutor, "launch", lambda *a, **k: launched.append(True))
+    engine = build_config(synthetic_raw, ["engine.executor=ray"]).engine
+    early = startup.EarlyRay(engine, 2, startup.StartupClock(), imported=False)
+    early.cancel()
+    assert launched == [] and early.executor is None and early.error is None
