@@ -116,10 +116,6 @@ class EarlyRay:
                 )
             self.imported.wait()
             if self._cancelled.is_set():  # the caller failed (a config error): no actors
-                if started:
-                    import ray
-
-                    ray.shutdown()
                 return
             from rayfl.engine.executor import RayExecutor
 
@@ -130,13 +126,13 @@ class EarlyRay:
             self.executor = executor
         except BaseException as exc:  # re-raised on the caller's thread by `finish`
             self.error = exc
-            if started and self.executor is None:
+        finally:
+            if started and self.executor is None:  # failed or cancelled: stop the Ray it started
                 import ray
 
                 if ray.is_initialized():
                     with suppress(Exception):
                         ray.shutdown()
-        finally:
             self._launched.set()
 
     def _hold(self) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,6 @@ def test_simulate_inside_a_running_ray_does_not_wait_for_itself(ray_local, synth
     # Suites on Ray run `simulate` inside Ray tasks and tests inside the session's Ray: Ray is
     # already up, so nothing starts in a thread, and the launch must not wait for the imports
     # that only the (absent) thread waits on. It did: CI hung here.
-    import threading
-
     from rayfl.launch import simulate
 
     cfg = build_config(synthetic_raw, ["engine.executor=ray", "engine.rounds=1"])
