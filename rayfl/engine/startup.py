@@ -137,7 +137,7 @@ class EarlyRay:
 
     def _hold(self) -> None:
         self._launch()
-        if self.error is None and self.executor is not None:
+        if self.executor is not None:  # launched: hold Ray until the executor shut it down
             self._release.wait()
 
     def _wait_launched(self) -> None:
