@@ -64,7 +64,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: Literal["sgd", "adam"] = "sgd"
     grad_clip: float | None = None  # max L2 norm of the gradient per step
-    eval_batch_size: int = 512
+    # Samples per evaluation batch; None: 128 on a CPU, 1024 on a GPU (`eval_batch_size`).
+    eval_batch_size: int | None = None
 
 
 @dataclass(frozen=True)

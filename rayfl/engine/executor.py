@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -350,6 +351,7 @@ class RayExecutor(Executor):
         self.server: Any = None
         self._server_ready: Any = None
         self.evaluator: Any = None
+        self._final_scoring: _Scoring | None = None
         self.states: dict[int, ray.ObjectRef] = {}
         # The server state after the last finished server step, as an object the driver owns
         # (it outlives the server actor): a restarted server starts from it. None: a fresh server
@@ -490,6 +492,7 @@ class RayExecutor(Executor):
             refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(
                 round_idx, list(archs)
             )
+            self._start_final_scoring()  # queued behind the broadcast, not ahead of it
             return ray_get(refs[0]), dict(zip(archs, refs[1:]))
 
         return self._with_server("broadcast", call)
@@ -619,24 +622,33 @@ class RayExecutor(Executor):
             self._server_state = state
             if not evaluate:
                 return out, None
-            if final:
-                return out, (self.server.score.remote(models), models)
+            if final:  # submitted after the deployed evaluation's broadcast (`broadcast`)
+                self._final_scoring = _Scoring(models)
+                return out, self._final_scoring
             if self.evaluator is None:
                 self.evaluator = self._new_evaluator()
-            return out, (self.evaluator.score.remote(models), models)
+            return out, _Scoring(models, self.evaluator.score.remote(models))
 
         return self._with_server(f"round {round_idx}", call)
+
+    def _start_final_scoring(self) -> None:
+        """The server's actor runs one call at a time: the last round's scoring goes after the
+        broadcast that the clients' evaluation needs, so the two evaluations overlap."""
+        scoring, self._final_scoring = self._final_scoring, None
+        if scoring is not None:
+            scoring.ref = self.server.score.remote(scoring.models)
 
     def collect_eval(self, handle: Any) -> dict[str, float]:
         if handle is None:
             return {}
-        ref, models = handle
+        if handle.ref is None:  # the last round's, with no broadcast after it
+            self._start_final_scoring()
         try:
-            return ray_get(ref)
+            return ray_get(handle.ref)
         except ray.exceptions.RayActorError:
             log.warning("the actor scoring the server's models died; scoring them again")
             self.evaluator = self._new_evaluator()
-            return ray_get(self.evaluator.score.remote(models))
+            return ray_get(self.evaluator.score.remote(handle.models))
 
     def snapshot(self) -> StateView:
         return StateView(dict(self.states), self._server_state, ray_get)
@@ -675,6 +687,14 @@ class RayExecutor(Executor):
             ray.shutdown()
             self._started_ray = False
             self.after_shutdown()
+
+
+@dataclass
+class _Scoring:
+    """A deferred evaluation of the server's models: `ref` once submitted."""
+
+    models: Any  # the ObjectRef of the models to score
+    ref: Any = None
 
 
 def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:

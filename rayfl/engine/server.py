@@ -19,8 +19,15 @@ from torch import nn
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
 from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import SERVER, RunSpec, derive_seed, resolve_device, torch_threads
-from rayfl.engine.training import ArrayBatches, Step, accuracy, fit_tensors
+from rayfl.engine.spec import (
+    SERVER,
+    RunSpec,
+    derive_seed,
+    keep_tensor_memory,
+    resolve_device,
+    torch_threads,
+)
+from rayfl.engine.training import ArrayBatches, Step, accuracy, eval_batch_size, fit_tensors
 from rayfl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -37,7 +44,7 @@ class EngineServerData:
         self.device = device
         self.settings = settings
         self._federation = federation
-        self._sizes = {"public": settings.batch_size, "test": settings.eval_batch_size}
+        self._sizes = {"public": settings.batch_size, "test": eval_batch_size(settings, device)}
         self._cache: dict[str, ArrayBatches] = {}
         self.generator = torch.Generator()
 
@@ -212,6 +219,7 @@ class ServerEvaluator:
             self.setup(spec, federation)
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
+        keep_tensor_memory()
         self.spec = spec
         gpus = ray.get_gpu_ids()
         device = resolve_device("cpu" if spec.device == "cpu" or not gpus else "auto", gpus)
@@ -235,6 +243,7 @@ class ServerActor:
             self.setup(spec, federation)
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
+        keep_tensor_memory()
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:

@@ -85,6 +85,26 @@ class RunSpec:
         )
 
 
+def keep_tensor_memory(mmap_mb: int = 64, trim_mb: int = 256) -> bool:
+    """Let glibc's malloc keep freed tensor memory for reuse in this process (a Ray actor's):
+    allocations up to `mmap_mb` come from the heap, and up to `trim_mb` of free heap stay mapped.
+
+    In Ray's worker processes glibc does not raise its mmap threshold as it does in a plain
+    process, so every evaluation batch maps fresh pages and faults them in: scoring the
+    Fashion-MNIST test set with cnn_small took 5.3 s there, 2 of them in the kernel (600k page
+    faults), and 3.6 s with this (no faults; training is unchanged). Returns False where the C
+    library is not glibc (nothing is changed)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    ok = mallopt(m_mmap_threshold, mmap_mb * 2**20) == 1
+    return mallopt(m_trim_threshold, trim_mb * 2**20) == 1 and ok
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run a phase with `n` torch threads (process-wide, so the serial executor's client and

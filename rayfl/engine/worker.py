@@ -17,7 +17,16 @@ import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import EVAL, INIT, TRAIN, RunSpec, derive_seed, resolve_device, torch_threads
+from rayfl.engine.spec import (
+    EVAL,
+    INIT,
+    TRAIN,
+    RunSpec,
+    derive_seed,
+    keep_tensor_memory,
+    resolve_device,
+    torch_threads,
+)
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.registry import ALGORITHMS
 
@@ -250,6 +259,7 @@ class ClientWorker:
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
         # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
+        keep_tensor_memory()
         self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def fit(

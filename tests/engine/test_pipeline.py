@@ -79,6 +79,63 @@ def test_the_last_round_is_scored_by_the_server_without_an_evaluation_actor(
     assert sim.executor.evaluator is None
 
 
+class _Calls:
+    """Records the methods called on an actor handle, in submission order."""
+
+    def __init__(self, handle, log):
+        self._handle, self._log = handle, log
+
+    def __getattr__(self, name):
+        method, log = getattr(self._handle, name), self._log
+
+        class Method:
+            def options(self, **kw):
+                return Method.wrap(method.options(**kw))
+
+            def remote(self, *a, **kw):
+                return Method.wrap(method).remote(*a, **kw)
+
+            @staticmethod
+            def wrap(m):
+                class Bound:
+                    def remote(self, *a, **kw):
+                        log.append(name)
+                        return m.remote(*a, **kw)
+
+                return Bound()
+
+        return Method()
+
+
+@pytest.mark.ray
+def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
+    ray_local, synthetic_raw, monkeypatch
+):
+    """The server runs one call at a time: its last scoring is submitted after the broadcast
+    that the clients' deployed evaluation needs, so the two evaluations run side by side."""
+    from rayfl.engine.executor import RayExecutor
+
+    calls: list[str] = []
+    attach = RayExecutor.attach
+
+    def recording_attach(self, *a, **kw):
+        attach(self, *a, **kw)
+        self.server = _Calls(self.server, calls)
+
+    evaluate = RayExecutor.evaluate
+
+    def recording_evaluate(self, *a, **kw):
+        calls.append("clients evaluate")
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(RayExecutor, "attach", recording_attach)
+    monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
+    base = ["engine.rounds=1", "engine.executor=ray", "engine.num_workers=2"]
+    history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true"])
+    assert "proxy/acc" in history[-1]
+    assert calls == ["broadcast", "step_deferred", "broadcast", "score", "clients evaluate"]
+
+
 class StopAfterFirst(Callback):
     def on_round_end(self, sim, round_idx, metrics):
         self.should_stop = True
