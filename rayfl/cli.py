@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import RunConfig, load_config
+from rayfl.config import RunConfig, build_config, load_config, ray_preview, read_yaml
 from rayfl.errors import UserError
 from rayfl.launch import default_run_dir, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
@@ -90,6 +90,18 @@ def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]
 # ------------------------------------------------------------------------------------ commands
 
 
+def start_ray_early(raw: dict[str, Any], overrides: Sequence[str]) -> Any:
+    """For a run on Ray: start Ray now, in a thread, before the config check imports torch
+    (~3 s of the start-up); a config error then stops it at once (`EarlyRay.cancel`)."""
+    preview = ray_preview(raw, overrides)
+    if preview is None:
+        return None
+    from rayfl.engine.startup import EarlyRay, StartupClock
+
+    engine, per_round = preview
+    return EarlyRay(engine, per_round, StartupClock(), imported=False, exits_on_failure=True)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
@@ -107,14 +119,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 "--resume takes the run directory's own config.yaml; pass only key=value overrides"
             )
-        cfg = load_config(run_dir / "config.yaml", overrides)
+        path = run_dir / "config.yaml"
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
-        cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+        path, overrides = Path(args.config), list(args.overrides)
+    raw = read_yaml(path)
+    early = start_ray_early(raw, overrides)
+    try:
+        cfg = build_config(raw, overrides)  # imports the registries (torch) while Ray starts
+        if not args.resume:
+            run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
     start = time.perf_counter()
-    result = simulate(cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume))
+    result = simulate(
+        cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume), early=early
+    )
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
     rejected, replies = rejected_replies(result.history)

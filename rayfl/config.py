@@ -625,7 +625,29 @@ def check(cfg: RunConfig) -> None:
 
 
 def clients_per_round(cfg: RunConfig) -> int:
-    e = cfg.engine
+    return _per_round(cfg.engine, cfg.data.num_clients)
+
+
+def _per_round(e: EngineConfig, num_clients: int) -> int:
     if e.clients_per_round is not None:
         return e.clients_per_round
-    return max(1, round(e.fraction * cfg.data.num_clients))
+    return max(1, round(e.fraction * num_clients))
+
+
+def ray_preview(
+    raw: Mapping[str, Any], overrides: Sequence[str] = ()
+) -> tuple[EngineConfig, int] | None:
+    """The engine settings and clients per round of a Ray run, read from the file and overrides
+    without the registries (so without importing torch), so that `rayfl run` can start Ray
+    while the whole config is checked. None when the run is not on Ray or these sections do not
+    read (the whole check then names the problem)."""
+    try:
+        merged = apply_overrides(dict(raw), overrides)
+        hints = typing.get_type_hints(RunConfig)
+        engine = _convert(merged.get("engine") or {}, hints["engine"], "engine")
+        data = _convert(merged.get("data") or {}, hints["data"], "data")
+    except ConfigError:
+        return None
+    if engine.executor != "ray":
+        return None
+    return engine, _per_round(engine, data.num_clients)

@@ -28,25 +28,33 @@ def simulate(
     resume: bool = False,
     parent_run_id: str | None = None,
     extra_callbacks: Sequence[Any] = (),
+    early: Any = None,
 ) -> Any:
     """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
 
     Before any data is loaded or Ray started: the run directory is created and checked writable,
     locked for this process (a second run on it stops with one line) and, for a resume, its
     checkpoint is verified. A resume continues the MLflow run recorded in the directory.
+    `early`: a `rayfl.engine.startup.EarlyRay` already starting Ray for this run (`rayfl run`
+    starts it before checking the config); the simulation owns it from here.
     """
     from rayfl.engine.checkpoint import Checkpoint
     from rayfl.engine.rundir import RunLock, check_writable
 
     run_dir = Path(run_dir)
-    check_writable(run_dir)
-    with RunLock(run_dir):
-        checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
-        if resume:
-            checkpoint.verify(cfg)
-        return _simulate_locked(
-            cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks
-        )
+    try:
+        check_writable(run_dir)
+        with RunLock(run_dir):
+            checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
+            if resume:
+                checkpoint.verify(cfg)
+            owned, early = early, None
+            return _simulate_locked(
+                cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks, owned
+            )
+    finally:
+        if early is not None:  # failed before the simulation took it over
+            early.cancel()
 
 
 def _simulate_locked(
@@ -57,17 +65,19 @@ def _simulate_locked(
     resume: bool,
     parent_run_id: str | None,
     extra_callbacks: Sequence[Any],
+    early: Any,
 ) -> Any:
     from rayfl.config import clients_per_round
     from rayfl.engine.startup import EarlyRay, StartupClock
 
     # Ray starts first, in a thread, while this thread imports the engine (torch) and loads data.
-    clock = StartupClock()
-    early = (
-        EarlyRay(cfg.engine, clients_per_round(cfg), clock, imported=False)
-        if cfg.engine.executor == "ray"
-        else None
-    )
+    per_round = clients_per_round(cfg)
+    if early is not None and not early.serves(cfg.engine, per_round):
+        early.cancel(wait=True)  # not from the CLI: same file and overrides, same settings
+        early = None
+    if early is None and cfg.engine.executor == "ray":
+        early = EarlyRay(cfg.engine, per_round, StartupClock(), imported=False)
+    clock = early.clock if early is not None else StartupClock()
     try:
         from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
         from rayfl.engine.loop import Simulation

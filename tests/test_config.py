@@ -1,7 +1,12 @@
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rayfl.config import build_config, load_config, to_dict
@@ -91,17 +96,38 @@ def test_missing_file_is_a_user_error(tmp_path):
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args, needle):
-    proc = subprocess.run(
-        [sys.executable, "-m", "rayfl.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    # `rayfl run` starts Ray (in a thread) before it checks the config: the error must still be
+    # one line, and none of the Ray processes it started may outlive the command.
+    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rayfl.cli", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "RAY_TMPDIR": ray_tmp},
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        deadline = time.monotonic() + 5
+        while (left := _processes_mentioning(ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+    finally:
+        for leftover in _processes_mentioning(ray_tmp):
+            leftover.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(text in part for part in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
 
 
 def test_every_shipped_yaml_validates():

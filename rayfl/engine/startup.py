@@ -83,13 +83,24 @@ class EarlyRay:
     """
 
     def __init__(
-        self, engine: EngineConfig, per_round: int, clock: StartupClock, imported: bool = True
+        self,
+        engine: EngineConfig,
+        per_round: int,
+        clock: StartupClock,
+        imported: bool = True,
+        exits_on_failure: bool = False,
     ) -> None:
+        """`exits_on_failure`: the process ends when the run fails before it starts (the CLI),
+        so `cancel` need not wait for a Ray that is still starting (see there)."""
         self.executor: RayExecutor | None = None
+        self.engine, self.per_round = engine, per_round
+        self._exits_on_failure = exits_on_failure
+        self._since = time.time()
         self.imported = threading.Event()
         if imported:
             self.imported.set()
         self.error: BaseException | None = None
+        self.clock = clock
         self._args: tuple[Any, ...] = (engine, per_round, clock)
         self._launched = threading.Event()
         self._cancelled = threading.Event()
@@ -153,13 +164,42 @@ class EarlyRay:
         self.executor.attach(spec, federation, self._args[2])
         return self.executor
 
-    def cancel(self) -> None:
-        """Stop what is starting: Ray, once its start is done; actors not yet launched never are."""
+    def serves(self, engine: EngineConfig, per_round: int) -> bool:
+        """Whether this start is the one a run with these settings needs."""
+        return (engine, per_round) == (self.engine, self.per_round)
+
+    def cancel(self, wait: bool = False) -> None:
+        """Stop what is starting: Ray, once its start is done; actors not yet launched never are.
+
+        Where the process exits next (`exits_on_failure`) and Ray is still starting, its
+        processes started so far are killed instead: waiting for `ray.init` to finish and then
+        shutting it down would turn a one-line config error into a 9-13 s one. (Ray's own thread
+        is left behind, blocked; it must not be reused in this process.) `wait`: wait all the
+        same (the process goes on with another Ray)."""
         self._cancelled.set()
         self.imported.set()
+        starting = self._thread_started and not self._launched.is_set()
+        if self._exits_on_failure and starting and not wait:
+            _kill_processes_started_since(self._since)
+            return
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+def _kill_processes_started_since(since: float) -> None:
+    """Kill this process's descendants started at or after `since` (Ray's GCS, raylet, agents
+    and workers: the raylet's children go with it)."""
+    me = psutil.Process()
+    started = []
+    for child in me.children(recursive=True):
+        with suppress(psutil.Error):
+            if child.create_time() >= since - 1.0:  # create_time has a coarse clock
+                started.append(child)
+    for child in started:
+        with suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(started, timeout=2)
 
 
 class _DropRayNotes(logging.Filter):
