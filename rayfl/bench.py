@@ -322,12 +322,11 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
 
 def _variant_main(config_path: str, run_dir: str) -> None:
     """The child: `rayfl run` of the config, plus the object-store probe; writes bench.json."""
-    from rayfl.config import load_config
-    from rayfl.launch import simulate
+    from rayfl.launch import load_for_run, simulate
 
-    cfg = load_config(config_path)
+    cfg, early = load_for_run(config_path)  # as `rayfl run` does: Ray starts before the check
     probe = StoreProbe()
-    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe])
+    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe], early=early)
     history = result.history
     report = {
         "rounds": [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in history],
@@ -454,4 +453,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rayfl.cli import exit_now
+
+    exit_now(main())  # as `rayfl` ends: the floor and the variants end alike

@@ -12,12 +12,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import RunConfig
+from rayfl.config import RunConfig, build_config, ray_preview, read_yaml
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{stamp}"
+
+
+def load_for_run(path: str | Path, overrides: Sequence[str] = ()) -> tuple[RunConfig, Any]:
+    """Read and check a run's config for a process that runs it and then exits (`rayfl run`,
+    a benchmark's variant). For a run on Ray, Ray starts first, in a thread, so that its start
+    overlaps the check (which imports torch, ~3 s): returns the config and that
+    `rayfl.engine.startup.EarlyRay` (None when not on Ray), for `simulate(..., early=...)`.
+    A config error stops it at once (its processes killed) and is raised."""
+    raw = read_yaml(path)
+    early = None
+    preview = ray_preview(raw, overrides)
+    if preview is not None:
+        from rayfl.engine.startup import EarlyRay, StartupClock
+
+        engine, per_round = preview
+        early = EarlyRay(engine, per_round, StartupClock(), imported=False, exits_on_failure=True)
+    try:
+        return build_config(raw, overrides), early
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
 
 
 def simulate(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import platform
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rayfl.config import RunConfig, to_dict
+from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
 from rayfl.locking import write_atomic
 from rayfl.tables import write_table
@@ -58,7 +58,8 @@ class Callback:
         pass
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
-        pass
+        """After the last round (also when the run failed or was stopped). The executor shuts
+        down meanwhile, in another thread: read what the simulation holds, not its executor."""
 
 
 class ProgressBar(Callback):
@@ -164,10 +165,10 @@ class RunDirectory(Callback):
         self.started = time.time()
         self.artifacts: list[Path] = []
         self._opened = False
-        self._plotting: threading.Thread | None = None
+        self._partition: Background | None = None
 
     def on_run_start(self, sim: Simulation) -> None:
-        from rayfl.data.federated import plot_label_distribution, save_partition
+        from rayfl.data.federated import save_partition
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
@@ -176,19 +177,18 @@ class RunDirectory(Callback):
         # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
         self.write_summary(sim, "RUNNING")
         self.artifacts = [config_path]
-        self.artifacts += save_partition(sim.federation, self.run_dir)
+        # ~0.5 s (pyarrow) that the first round need not wait for: done by its end
+        self._partition = Background(
+            save_partition, sim.federation, self.run_dir, name="rayfl-write"
+        )
 
-        def plot() -> None:  # ~1.5 s of matplotlib, off the first round's path
-            try:
-                path = self.run_dir / "label_distribution.png"
-                self.artifacts.append(plot_label_distribution(sim.federation, path))
-            except Exception:
-                log.exception("could not plot the label distribution")
-
-        self._plotting = threading.Thread(target=plot, name="rayfl-plot", daemon=True)
-        self._plotting.start()
+    def _partition_saved(self) -> None:
+        if self._partition is not None:
+            partition, self._partition = self._partition, None
+            self.artifacts += partition.result()
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
+        self._partition_saved()
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
 
     def write_summary(self, sim: Simulation, status: str) -> None:
@@ -207,16 +207,25 @@ class RunDirectory(Callback):
         write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2).encode())
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
+        """summary.json, then the plots: the label distribution (from the partition saved at the
+        start) and the learning curves. All are drawn here, while the executor shuts down (see
+        `Simulation.run`), not at the start, where matplotlib's ~1.5 s of CPU delayed the first
+        round on a small machine."""
+        from rayfl.data.federated import plot_label_distribution
         from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
 
         if not self._opened:
             # the run failed before it started (e.g. a refused resume): leave the directory as it was
             return
-        if self._plotting is not None:  # matplotlib is not for two threads at once
-            self._plotting.join()
         history = sim.result.history
+        self._partition_saved()
         self.write_summary(sim, status)
         self.artifacts += [self.run_dir / "summary.json"]
+        try:
+            path = self.run_dir / "label_distribution.png"
+            self.artifacts.append(plot_label_distribution(sim.federation, path))
+        except Exception:
+            log.exception("could not plot the label distribution")
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
             self.artifacts.append(self.run_dir / "metrics.parquet")

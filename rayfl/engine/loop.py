@@ -29,6 +29,7 @@ from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
+from rayfl.engine.background import Background
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored
 from rayfl.engine.executor import Executor, make_executor
@@ -254,13 +255,17 @@ class Simulation:
                 except Exception:
                     log.exception("the last round's evaluation failed")
             self.result.status = status
+            # Ray's shutdown (~1.3 s) mostly waits for its processes: the callbacks write meanwhile
+            closing = None
+            if self.executor is not None:
+                closing = Background(self.executor.close, name="rayfl-close")
             for cb in self.callbacks:
                 try:
                     cb.on_run_end(self, status)
                 except Exception:  # a failing callback must not hide the run's own error
                     log.exception("callback %s failed at the end of the run", type(cb).__name__)
-            if self.executor is not None:
-                self.executor.close()
+            if closing is not None:
+                closing.result()
         return self.result
 
     def cancel(self) -> None:

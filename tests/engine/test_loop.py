@@ -142,3 +142,50 @@ def test_input_variant_runs(synthetic_raw):
     raw["model"] = {"family": "seed3"}
     hist = run(raw).history
     assert np.isfinite(hist[-1]["personal/acc"]) and "proxy/acc" not in hist[-1]
+
+
+def test_the_executor_shuts_down_while_the_callbacks_end_the_run(synthetic_raw, monkeypatch):
+    # Ray's shutdown waits ~1.3 s for its processes; the run directory's plots take as long:
+    # the two overlap. A callback's on_run_end sees the close already under way.
+    import threading
+
+    from rayfl.engine.callbacks import Callback
+    from rayfl.engine.executor import SerialExecutor
+
+    closing = threading.Event()
+    monkeypatch.setattr(SerialExecutor, "close", lambda self: closing.set())
+    seen: list[bool] = []
+
+    class Watch(Callback):
+        def on_run_end(self, sim, status):
+            seen.append(closing.wait(timeout=10))
+
+    result = run(synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
+    assert result.status == "FINISHED" and seen == [True]
+
+
+def test_a_failing_close_is_still_raised_after_the_callbacks(synthetic_raw, monkeypatch):
+    from rayfl.engine.callbacks import Callback
+    from rayfl.engine.executor import SerialExecutor
+
+    def close(self):
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(SerialExecutor, "close", close)
+    ended: list[str] = []
+
+    class Watch(Callback):
+        def on_run_end(self, sim, status):
+            ended.append(status)
+
+    with pytest.raises(RuntimeError, match="close failed"):
+        run(synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
+    assert ended == ["FINISHED"]
+
+
+def test_background_returns_the_value_or_raises_the_error_on_the_callers_thread():
+    from rayfl.engine.background import Background
+
+    assert Background(sum, [1, 2, 3]).result() == 6
+    with pytest.raises(ZeroDivisionError):
+        Background(lambda: 1 / 0).result()
