@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -385,10 +386,15 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         f"{'overhead':>8s} {'server s':>8s} {'up MB':>7s} {'acc':>6s} "
         f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'floor s':>8s} {'x floor':>7s}",
     ]
+    repeated: list[str] = []
     for label, r in results.items():
         floor = results.get(floor_label(r["workers"]))
         floor_s = floor["wall_s"] if floor else float("nan")
         ratio = r["wall_s"] / floor_s if floor and floor_s > 0 else float("nan")
+        if len(r.get("ratios", ())) > 1:  # repeated: the median of the paired ratios
+            ratio = statistics.median(r["ratios"])
+            each = " ".join(f"{x:.2f}" for x in r["ratios"])
+            repeated.append(f"  {label}: x floor per repetition {each} (median {ratio:.2f})")
         lines.append(
             f"  {label:14s} {r['clients']:7d} {r['per_round']:6.0f} {r['workers']:7d} "
             f"{r['wall_s']:8.1f} {r['startup_s']:7.1f} {r['in_run_s']:8.1f} {r['round_s']:8.2f} "
@@ -397,6 +403,12 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
             f"{r['acc']:6.3f} {r['driver_peak_mb']:9.0f} {r['ray_peak_mb']:8.0f} "
             f"{r['total_peak_mb']:8.0f} {r['store_peak_mb']:8.1f} {floor_s:8.1f} {ratio:7.2f}"
         )
+    if repeated:
+        lines.append(
+            f"  {len(results[next(iter(results))]['ratios'])} repetitions, floor and variants "
+            "alternating: each row is the median repetition's; x floor = median of the paired ratios"
+        )
+        lines += repeated
     lines.append(
         "  e2e = wall time of the variant's process (imports, Ray start, data, actors, rounds, exit); "
         "startup = process start to first round; clients/s = clients per round / steady s/round; "
@@ -418,24 +430,56 @@ def run_bench(
     overrides: list[str] | tuple[str, ...] = (),
     out: str | Path | None = None,
     variants: list[str] | None = None,
+    repeat: int = 1,
 ) -> str:
+    """Run the floors and the variants, one after another, `repeat` times over (the floor and
+    the variants alternate, so that a machine whose speed drifts, like a shared VM, moves both
+    alike), and report each variant at its median repetition."""
+    if repeat < 1:
+        raise UserError(f"--repeat {repeat}: give 1 or more repetitions")
     bench = load_bench(path, overrides)
     if variants:
         bench = only(bench, variants)
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="rayfl-bench-"))
-    results: dict[str, dict[str, Any]] = {}
-    for workers in bench.floors():
-        label = floor_label(workers)
-        report = run_floor(bench.base, bench.overrides, workers, root / label)
-        results[label] = summarize(report, bench.warmup_rounds)
-        print(f"  ... {label}: {report['wall_s']:.1f} s end to end", file=sys.stderr, flush=True)
-    for label, extra in bench.variants.items():
-        report = run_variant(bench.base, extra, root / label)
-        results[label] = summarize(report, bench.warmup_rounds)
-        print(f"  ... {label}: {report['wall_s']:.1f} s end to end", file=sys.stderr, flush=True)
-    text = format_report(Path(path).name, bench, results)
+    reps: list[dict[str, dict[str, Any]]] = []
+    for k in range(1, repeat + 1):
+        where = root if repeat == 1 else root / f"rep{k}"
+        tag = "" if repeat == 1 else f" (repetition {k} of {repeat})"
+        results: dict[str, dict[str, Any]] = {}
+        runs: list[tuple[str, list[str] | None, int]]
+        runs = [(floor_label(w), None, w) for w in bench.floors()]
+        runs += [(label, extra, 0) for label, extra in bench.variants.items()]
+        for label, extra, workers in runs:
+            if extra is None:
+                report = run_floor(bench.base, bench.overrides, workers, where / label)
+            else:
+                report = run_variant(bench.base, extra, where / label)
+            results[label] = summarize(report, bench.warmup_rounds)
+            print(
+                f"  ... {label}: {report['wall_s']:.1f} s end to end{tag}",
+                file=sys.stderr,
+                flush=True,
+            )
+        reps.append(results)
+    text = format_report(Path(path).name, bench, median_repetition(reps))
     (root / "report.txt").write_text(text + "\n")
     return text + f"\n  runs and report: {root}"
+
+
+def median_repetition(reps: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each label's result at its median end-to-end time (the lower one of an even count), with
+    `ratios`: its end to end / its floor's, repetition by repetition (same repetition: run
+    minutes apart, not tens of minutes)."""
+    combined: dict[str, dict[str, Any]] = {}
+    for label in reps[0]:
+        runs = sorted((rep[label] for rep in reps), key=lambda r: r["wall_s"])
+        ratios = []
+        for rep in reps:
+            floor = rep.get(floor_label(rep[label]["workers"]))
+            if floor and floor["wall_s"] > 0:
+                ratios.append(rep[label]["wall_s"] / floor["wall_s"])
+        combined[label] = {**runs[(len(runs) - 1) // 2], "ratios": ratios}
+    return combined
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,7 +222,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rayfl.bench import run_bench
 
-    print(run_bench(args.config, args.overrides, out=args.out, variants=args.only))
+    print(
+        run_bench(args.config, args.overrides, out=args.out, variants=args.only, repeat=args.repeat)
+    )
     return 0
 
 
@@ -270,7 +272,8 @@ EXAMPLES = {
     "bench": """examples:
   rayfl bench experiments/benchmarks/throughput.yaml
   rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2
-  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --out bench-fedavg""",
+  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --out bench-fedavg
+  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --repeat 3""",
     "compare": """examples:
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
@@ -351,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="VARIANT",
         help="run only these variants (and the floors of their worker counts)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run floors and variants N times, alternating; report medians (noisy machines)",
     )
     p.set_defaults(fn=cmd_bench)
 

@@ -14,13 +14,14 @@ from rayfl.bench import (
     floor_shares,
     format_report,
     load_bench,
+    median_repetition,
     only,
     run_bench,
     summarize,
 )
 from rayfl.config import build_config
 from rayfl.engine.sampling import sample_clients
-from rayfl.errors import ConfigError
+from rayfl.errors import ConfigError, UserError
 from tests.conftest import SYNTHETIC
 
 
@@ -145,3 +146,27 @@ def test_bench_runs_each_variant_as_a_process(tmp_path):
     assert (tmp_path / "out" / "report.txt").exists()
     assert (tmp_path / "out" / floor_label(1) / "share0.json").exists()
     assert (tmp_path / "out" / "serial" / "run" / "summary.json").exists()
+
+
+def test_repetitions_pair_each_variant_with_its_own_floor_golden():
+    # The machine slows down in repetition 2: floor and variant both take longer, and the paired
+    # ratio stays what it is; the row is the median repetition's (the lower of an even count).
+    reps = [
+        {floor_label(2): floor_report(50.0, 90.0, 2), "ray": report(60.0, 90.0, 2, [9.0, 5.0])},
+        {floor_label(2): floor_report(80.0, 140.0, 2), "ray": report(92.0, 140.0, 2, [9.0, 5.0])},
+        {floor_label(2): floor_report(55.0, 99.0, 2), "ray": report(63.0, 99.0, 2, [9.0, 5.0])},
+    ]
+    combined = median_repetition(reps)
+    assert combined["ray"]["wall_s"] == 63.0 and combined[floor_label(2)]["wall_s"] == 55.0
+    assert combined["ray"]["ratios"] == pytest.approx([1.2, 1.15, 63.0 / 55.0])
+    text = format_report("x.yaml", Bench({}, {}, 1), combined)
+    line = next(x for x in text.splitlines() if x.strip().split()[:1] == ["ray"])
+    assert line.split()[-1] == "1.15"  # median of 1.20, 1.15, 1.145
+    assert "ray: x floor per repetition 1.20 1.15 1.15 (median 1.15)" in text
+    assert median_repetition(reps[:2])["ray"]["wall_s"] == 60.0
+
+
+def test_repeat_must_be_positive(tmp_path):
+    path = bench_file(tmp_path, {"variants": {"serial": []}})
+    with pytest.raises(UserError, match="--repeat 0"):
+        run_bench(path, repeat=0)
