@@ -180,11 +180,27 @@ class EarlyRay:
         self.imported.set()
         starting = self._thread_started and not self._launched.is_set()
         if self._exits_on_failure and starting and not wait:
+            _silence_what_is_left_behind()
             _kill_processes_started_since(self._since)
             return
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+def _silence_what_is_left_behind() -> None:
+    """Before Ray's processes are killed under its starting thread: that thread, and what Ray
+    left to the garbage collector, may then fail (a process spawn that fails, a pipe that
+    closed), and Python would print their tracebacks ahead of the user's one-line error (seen
+    once in CI). The process exits next with that error: what fails behind it says nothing."""
+    previous = threading.excepthook
+
+    def thread_hook(args: Any) -> None:
+        if args.thread is None or args.thread.name != "rayfl-ray-start":
+            previous(args)
+
+    threading.excepthook = thread_hook
+    sys.unraisablehook = lambda unraisable: None
 
 
 def _kill_processes_started_since(since: float) -> None:
