@@ -101,7 +101,6 @@ class EarlyRay:
             self.imported.set()
         self.error: BaseException | None = None
         self.clock = clock
-        self._args: tuple[Any, ...] = (engine, per_round, clock)
         self._launched = threading.Event()
         self._cancelled = threading.Event()
         self._release = threading.Event()
@@ -118,7 +117,7 @@ class EarlyRay:
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
 
     def _launch(self) -> None:
-        engine, per_round, clock = self._args
+        engine, per_round, clock = self.engine, self.per_round, self.clock
         started = False
         try:
             with clock.phase("ray_start"):
@@ -161,7 +160,7 @@ class EarlyRay:
         if self.error is not None:
             raise self.error
         assert self.executor is not None
-        self.executor.attach(spec, federation, self._args[2])
+        self.executor.attach(spec, federation, self.clock)
         return self.executor
 
     def serves(self, engine: EngineConfig, per_round: int) -> bool:
