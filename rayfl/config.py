@@ -88,6 +88,12 @@ class EngineConfig:
     worker_resources: Resources = field(default_factory=Resources)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
+    # Where the Ray executor runs the server half: `driver` (in this process, like the serial
+    # executor: no third process importing torch at start-up), `actor` (a `ServerActor` with
+    # `server_resources`, restarted from its last state if it dies), or `auto`: the driver when
+    # the run starts its own local Ray (no `address`) and the server reserves nothing, else an
+    # actor. Same numbers either way.
+    server_in: Literal["auto", "driver", "actor"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     address: str | None = (
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
@@ -616,6 +622,13 @@ def check(cfg: RunConfig) -> None:
         "engine.worker_resources",
         "a worker must reserve some CPU or GPU",
     )
+    require(
+        e.server_in != "driver"
+        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
+        "engine.server_in",
+        "driver runs the server in the driver's process, which reserves nothing; set "
+        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
+    )
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
@@ -632,6 +645,14 @@ def _per_round(e: EngineConfig, num_clients: int) -> int:
     if e.clients_per_round is not None:
         return e.clients_per_round
     return max(1, round(e.fraction * num_clients))
+
+
+def server_in_driver(e: EngineConfig) -> bool:
+    """Whether the Ray executor runs the server half in the driver's process (`engine.server_in`)."""
+    if e.server_in != "auto":
+        return e.server_in == "driver"
+    res = e.server_resources
+    return e.address is None and res.num_cpus == 0 and res.num_gpus == 0
 
 
 def ray_preview(

@@ -1,8 +1,9 @@
 """Executors: where clients train and the server runs. Both run the same runners.
 
 `SerialExecutor` runs everything in this process (debugging, tiny tests). `RayExecutor` runs a
-pool of long-lived `ClientWorker` actors with fractional CPU/GPU reservations and a `ServerActor`;
-client state stays in Ray's object store as references the driver owns, never in its heap.
+pool of long-lived `ClientWorker` actors with fractional CPU/GPU reservations, and the server half
+in the driver or in a `ServerActor` (`engine.server_in`); client state stays in Ray's object store
+as references the driver owns, never in its heap.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import EngineConfig
+from rayfl.config import EngineConfig, server_in_driver
 from rayfl.data.federated import Federation
+from rayfl.engine.background import Background
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
-from rayfl.engine.spec import RunSpec, resolve_device
-from rayfl.engine.startup import StartupClock, init_ray
+from rayfl.engine.spec import RunSpec, keep_tensor_memory, resolve_device
+from rayfl.engine.startup import StartupClock, init_ray, shutdown_ray
 from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
 from rayfl.errors import UserError
 
@@ -227,6 +229,10 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
+def _value_or_get(handle: Any) -> Any:
+    return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
+
+
 def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
     """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
     not even the server fits)."""
@@ -328,9 +334,15 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
 
 
 class RayExecutor(Executor):
-    """Workers, server and evaluation actor on Ray. Built in two steps so that start-up overlaps
-    (`rayfl.engine.startup.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
-    `attach` (dataset put once, spec and data to every actor)."""
+    """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
+    with an evaluation actor for its pipelined scoring. Built in two steps so that start-up
+    overlaps (`rayfl.engine.startup.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
+    `attach` (dataset put once, spec and data to every actor).
+
+    In the driver, the server costs no process of its own (on a 2-core machine a third process
+    importing torch delays the workers' start by ~1 s), its broadcast is put once per round, its
+    replies are read zero-copy, and its models are scored in a thread (`Background`) while the
+    clients train or evaluate. It cannot die on its own, so it has no restart path."""
 
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.launch(spec.engine, spec.per_round)
@@ -349,6 +361,8 @@ class RayExecutor(Executor):
         self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
         self.workers: list[Any] = []
         self.server: Any = None
+        self.local: ServerRunner | None = None  # the server half, when it runs in the driver
+        self._in_driver = server_in_driver(e)
         self._server_ready: Any = None
         self.evaluator: Any = None
         self._final_scoring: _Scoring | None = None
@@ -373,7 +387,8 @@ class RayExecutor(Executor):
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
-                self.server = self._server_cls.remote()
+                if not self._in_driver:
+                    self.server = self._server_cls.remote()
                 # No CPU of its own, like the server: it fills the time workers spend off the CPU.
                 # Started when first needed (`server_step_deferred`), not in the start-up.
                 self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
@@ -393,11 +408,15 @@ class RayExecutor(Executor):
         try:
             with _phase(clock, "dataset_put"):
                 self._federation_ref = ray.put(federation)
-            actors = [*self.workers, self.server]
+            actors = [*self.workers, *([self.server] if self.server is not None else [])]
             actors += [self.evaluator] if self.evaluator is not None else []
             ready = [a.setup.remote(spec, self._federation_ref) for a in actors]
-            # the server answers through its setup, the workers through info() after theirs
-            self._server_ready = ready[len(self.workers)]
+            if self.server is not None:
+                # the server answers through its setup, the workers through info() after theirs
+                self._server_ready = ready[len(self.workers)]
+            else:  # built while the workers' processes import torch
+                keep_tensor_memory()  # as in an actor: its scoring thread would fault every batch
+                self.local = ServerRunner(spec, federation, resolve_device(spec.device, []))
             with _phase(clock, "actors_ready"):
                 deadline = time.monotonic() + spec.engine.startup_timeout_s
                 for ref in ready:  # a setup error (e.g. no GPU) surfaces here, as itself
@@ -433,7 +452,8 @@ class RayExecutor(Executor):
             probes: list[tuple[Any, int]] = [
                 (w.info.remote(), i) for i, w in enumerate(self.workers)
             ]
-            probes.append((self._server_ready, -1))
+            if self._server_ready is not None:
+                probes.append((self._server_ready, -1))
             dead = []
             for ref, who in probes:
                 try:
@@ -463,7 +483,9 @@ class RayExecutor(Executor):
 
     def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
         """Run `call` (which uses `self.server`); on a dead server restart it from the last server
-        state and run it again."""
+        state and run it again. (A server in the driver lives and dies with the run.)"""
+        if self.local is not None:
+            return call()
         retries = self.spec.engine.max_retries
         for attempt in range(retries + 1):
             try:
@@ -488,6 +510,11 @@ class RayExecutor(Executor):
     def broadcast(
         self, round_idx: int, archs: Sequence[str]
     ) -> tuple[dict[str, int], dict[str, Any]]:
+        if self.local is not None:  # put once; every worker maps it zero-copy
+            sizes, payloads = self.local.broadcast(round_idx, list(archs))
+            self._start_final_scoring()
+            return sizes, {a: ray.put(p) for a, p in zip(archs, payloads)}
+
         def call() -> tuple[dict[str, int], dict[str, Any]]:
             refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(
                 round_idx, list(archs)
@@ -594,6 +621,9 @@ class RayExecutor(Executor):
         return rows
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
+        if self.local is not None:
+            return self.local.step(round_idx, ray_get(replies), evaluate)
+
         # The replies are objects the driver owns: a restarted server steps on the same ones.
         def call() -> dict[str, float]:
             metrics, state = self.server.step_and_state.options(num_returns=2).remote(
@@ -613,6 +643,14 @@ class RayExecutor(Executor):
         itself, idle from then on, while the clients evaluate."""
         if not self.spec.engine.pipeline_eval:
             return self.server_step(round_idx, replies, evaluate), None
+        if self.local is not None:  # scored in a thread of this process, not by an actor
+            out, models = self.local.step_deferred(round_idx, ray_get(replies), evaluate)
+            if not evaluate:
+                return out, None
+            if final:  # started after the deployed evaluation's broadcast, as on an actor
+                self._final_scoring = _Scoring(models)
+                return out, self._final_scoring
+            return out, _Scoring(models, Background(self.local.score, models, name="rayfl-score"))
 
         def call() -> tuple[dict[str, float], Any]:
             metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
@@ -635,7 +673,11 @@ class RayExecutor(Executor):
         """The server's actor runs one call at a time: the last round's scoring goes after the
         broadcast that the clients' evaluation needs, so the two evaluations overlap."""
         scoring, self._final_scoring = self._final_scoring, None
-        if scoring is not None:
+        if scoring is None:
+            return
+        if self.local is not None:
+            scoring.ref = Background(self.local.score, scoring.models, name="rayfl-score")
+        else:
             scoring.ref = self.server.score.remote(scoring.models)
 
     def collect_eval(self, handle: Any) -> dict[str, float]:
@@ -643,6 +685,8 @@ class RayExecutor(Executor):
             return {}
         if handle.ref is None:  # the last round's, with no broadcast after it
             self._start_final_scoring()
+        if isinstance(handle.ref, Background):
+            return handle.ref.result()
         try:
             return ray_get(handle.ref)
         except ray.exceptions.RayActorError:
@@ -651,17 +695,24 @@ class RayExecutor(Executor):
             return ray_get(self.evaluator.score.remote(handle.models))
 
     def snapshot(self) -> StateView:
+        if self.local is not None:  # state_dict() is a fresh copy, as for the serial executor
+            return StateView(dict(self.states), self.local.state_dict(), _value_or_get)
         return StateView(dict(self.states), self._server_state, ray_get)
 
     def _new_evaluator(self) -> Any:
         return self._evaluator_cls.remote(self.spec, self._federation_ref)
 
     def server_state(self) -> dict[str, Any]:
+        if self.local is not None:
+            return self.local.state_dict()
         if self._server_state is not None:
             return ray_get(self._server_state)
         return self._with_server("server state", lambda: ray_get(self.server.state_dict.remote()))
 
     def load_server_state(self, state: dict[str, Any]) -> None:
+        if self.local is not None:
+            self.local.load_state_dict(state)
+            return
         self._server_state = ray.put(state)
         self._with_server(
             "load server state",
@@ -684,7 +735,7 @@ class RayExecutor(Executor):
                     ray.kill(actor)
         self.states = {}
         if self._started_ray:
-            ray.shutdown()
+            shutdown_ray()
             self._started_ray = False
             self.after_shutdown()
 
@@ -693,8 +744,8 @@ class RayExecutor(Executor):
 class _Scoring:
     """A deferred evaluation of the server's models: `ref` once submitted."""
 
-    models: Any  # the ObjectRef of the models to score
-    ref: Any = None
+    models: Any  # the models to score: an ObjectRef, or the modules (a server in the driver)
+    ref: Any = None  # ObjectRef of the score, or the `Background` scoring it in the driver
 
 
 def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:

@@ -1,7 +1,8 @@
 """The server half's runner: broadcast, reply validation, aggregation, server update, evaluation.
 
-`ServerRunner` is used in-process by the serial executor and wrapped by the `ServerActor` Ray
-actor (with its own CPU/GPU share) by the Ray executor.
+`ServerRunner` is used in-process by the serial executor and by the Ray executor when the server
+runs in the driver (`engine.server_in`), and wrapped by the `ServerActor` Ray actor (with its own
+CPU/GPU share) otherwise.
 """
 
 from __future__ import annotations
@@ -173,8 +174,10 @@ class ServerRunner:
         return metrics
 
     def score(self, models: Mapping[str, nn.Module]) -> dict[str, float]:
-        """`<name>/acc` of each server model on the server test set."""
-        return score_models(models, self.data)
+        """`<name>/acc` of each server model on the server test set, with the step's threads
+        (`step`'s own evaluation, or later: same numbers)."""
+        with torch_threads(self.spec.server_threads):
+            return score_models(models, self.data)
 
     def step_deferred(
         self, round_idx: int, reply_lists: Sequence[Sequence[Reply]], evaluate: bool
@@ -271,8 +274,7 @@ class ServerActor:
     def score(self, models: dict[str, nn.Module]) -> dict[str, float]:
         """Scores `step_deferred`'s models (the last round's: the server has nothing else to do
         while the clients evaluate). Same data and threads as `step`: same numbers."""
-        with torch_threads(self.runner.spec.server_threads):
-            return self.runner.score(models)
+        return self.runner.score(models)
 
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()

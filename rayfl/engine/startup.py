@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -142,7 +143,7 @@ class EarlyRay:
 
                 if ray.is_initialized():
                     with suppress(Exception):
-                        ray.shutdown()
+                        shutdown_ray()
             self._launched.set()
 
     def _hold(self) -> None:
@@ -185,6 +186,39 @@ class EarlyRay:
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()`, without its 1 s wait for the autoscaler's monitor.
+
+    Ray stops the processes it started one after another, giving each 1 s to exit after a
+    SIGTERM before it kills it. The autoscaler's monitor (which has nothing to do on a private
+    local Ray) does not exit in that time, so every shutdown waited 1 s for it and then killed it
+    anyway (1.35 s against 0.1 s measured here): it is killed first. On a joined cluster this
+    process started no monitor, and `ray.shutdown()` only disconnects."""
+    import ray
+
+    killed = []
+    for child in psutil.Process().children(recursive=True):
+        with suppress(psutil.Error):
+            if any(part.endswith(_MONITOR_SCRIPT) for part in child.cmdline()):
+                child.kill()
+                killed.append(child)
+    deadline = time.monotonic() + 1.0
+    for child in killed:  # dead (a zombie, which Ray reaps) before Ray looks at it
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.002)
+    ray.shutdown()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+_MONITOR_SCRIPT = os.path.join("autoscaler", "_private", "monitor.py")
 
 
 def _silence_what_is_left_behind() -> None:

@@ -121,9 +121,9 @@ def sweep_and_report(
     path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
 ) -> tuple[SweepResult, str]:
     """`run_sweep`, also returning the structured result."""
-    import ray
 
     from rayfl.engine.executor import init_ray
+    from rayfl.engine.startup import shutdown_ray
 
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
@@ -133,7 +133,7 @@ def sweep_and_report(
         result = _run(sweep, out_dir, strict_fit=started and not e.address)
     finally:
         if started:
-            ray.shutdown()
+            shutdown_ray()
     return result, format_results(result)
 
 

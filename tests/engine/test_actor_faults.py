@@ -37,16 +37,18 @@ def test_a_dead_server_actor_restarts_from_the_last_round_with_identical_numbers
     overrides = ["engine.rounds=2", "engine.num_workers=1"]
     serial = Simulation(build_config(synthetic_raw, overrides), "/tmp/unused").run().history
     killer = KillServer({1})
-    cfg = build_config(synthetic_raw, [*overrides, "engine.executor=ray"])
+    cfg = build_config(synthetic_raw, [*overrides, "engine.executor=ray", "engine.server_in=actor"])
     disturbed = Simulation(cfg, "/tmp/unused", [killer]).run().history
     assert killer.killed == 1
     assert comparable(disturbed) == comparable(serial)
 
 
+@pytest.mark.parametrize("server_in", ["actor", "driver"])
 def test_a_user_error_inside_the_server_actor_reaches_the_user_as_its_one_line(
-    ray_local, synthetic_raw
+    ray_local, synthetic_raw, server_in
 ):
-    cfg = build_config(synthetic_raw, ["engine.executor=ray", "engine.min_replies=7"])
+    overrides = ["engine.executor=ray", "engine.min_replies=7", f"engine.server_in={server_in}"]
+    cfg = build_config(synthetic_raw, overrides)
     with pytest.raises(RoundFailed) as err:
         Simulation(cfg, "/tmp/unused").run()
     assert type(err.value) is RoundFailed  # not Ray's RayTaskError(RoundFailed) wrapper

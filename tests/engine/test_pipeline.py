@@ -58,17 +58,21 @@ def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw):
 
 
 @pytest.mark.ray
-def test_pipelined_evaluation_gives_the_same_rows_ray(ray_local, synthetic_raw):
-    check(synthetic_raw, ["engine.rounds=3", "engine.executor=ray", "engine.num_workers=2"])
+@pytest.mark.parametrize("server_in", ["driver", "actor"])
+def test_pipelined_evaluation_gives_the_same_rows_ray(ray_local, synthetic_raw, server_in):
+    base = ["engine.rounds=3", "engine.executor=ray", "engine.num_workers=2"]
+    check(synthetic_raw, [*base, f"engine.server_in={server_in}"])
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("server_in", ["driver", "actor"])
 def test_the_last_round_is_scored_by_the_server_without_an_evaluation_actor(
-    ray_local, synthetic_raw
+    ray_local, synthetic_raw, server_in
 ):
     """Evaluation only after the last round: the server, idle then, scores its models while
     the clients evaluate; no evaluation actor is started for it."""
     base = ["engine.rounds=2", "engine.eval_every=2", "engine.executor=ray", "engine.num_workers=2"]
+    base.append(f"engine.server_in={server_in}")
     off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"])
     sim = Simulation(
         build_config(synthetic_raw, [*base, "engine.pipeline_eval=true"]), "/tmp/unused"
@@ -131,9 +135,42 @@ def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
     monkeypatch.setattr(RayExecutor, "attach", recording_attach)
     monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
     base = ["engine.rounds=1", "engine.executor=ray", "engine.num_workers=2"]
-    history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true"])
+    history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true", "engine.server_in=actor"])
     assert "proxy/acc" in history[-1]
     assert calls == ["broadcast", "step_deferred", "broadcast", "score", "clients evaluate"]
+
+
+@pytest.mark.ray
+def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients(
+    ray_local, synthetic_raw, monkeypatch
+):
+    """In the driver, the scoring of every round but the last starts with the step (it runs
+    while the next round trains); the last one's starts after the deployed evaluation's
+    broadcast and runs while the clients evaluate. Neither starts an actor."""
+    from rayfl.engine import executor as executor_mod
+    from rayfl.engine.executor import RayExecutor
+
+    calls: list[str] = []
+
+    class RecordingBackground(executor_mod.Background):
+        def __init__(self, fn, *a, **kw):
+            calls.append(kw.get("name", "?"))
+            super().__init__(fn, *a, **kw)
+
+    evaluate = RayExecutor.evaluate
+
+    def recording_evaluate(self, *a, **kw):
+        calls.append("clients evaluate")
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(executor_mod, "Background", RecordingBackground)
+    monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
+    base = ["engine.rounds=2", "engine.executor=ray", "engine.num_workers=2"]
+    sim = Simulation(build_config(synthetic_raw, [*base, "engine.server_in=driver"]), "/tmp/unused")
+    history = sim.run().history
+    assert all("proxy/acc" in row for row in history)
+    assert calls == ["rayfl-score", "clients evaluate", "rayfl-score", "clients evaluate"]
+    assert sim.executor.server is None and sim.executor.evaluator is None
 
 
 class StopAfterFirst(Callback):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -90,3 +92,55 @@ def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, s
     early = startup.EarlyRay(engine, 2, startup.StartupClock(), imported=False)
     early.cancel()
     assert launched == [] and early.executor is None and early.error is None
+
+
+_SHUTDOWN_PROBE = """
+import json, sys, psutil, ray
+from rayfl.engine.startup import _MONITOR_SCRIPT, init_ray, shutdown_ray
+
+assert init_ray(None, 1)
+def monitors():
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(a.endswith(_MONITOR_SCRIPT) for a in p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+before = monitors()
+alive_at_shutdown = []
+shutdown = ray.shutdown
+def recording_shutdown(*a, **kw):
+    alive_at_shutdown.extend(p.pid for p in before if p.is_running() and p.status() != "zombie")
+    shutdown(*a, **kw)
+ray.shutdown = recording_shutdown
+shutdown_ray()
+left = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"monitors": len(before), "alive": alive_at_shutdown, "left": left}))
+"""
+
+
+@pytest.mark.ray
+def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_path):
+    # Ray gives each of its processes 1 s to exit on SIGTERM; its autoscaler monitor never does
+    # in that time, so every shutdown waited 1 s before killing it. `shutdown_ray` kills it
+    # first; Ray then stops the rest, and nothing it started is left.
+    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _SHUTDOWN_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["monitors"] == 1  # a private local Ray starts one: the test sees the real thing
+    assert out["alive"] == []
+    assert out["left"] == []
