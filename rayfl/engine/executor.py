@@ -373,7 +373,9 @@ class RayExecutor(Executor):
         self._server_state: Any = None
         if started_ray is None:
             with _phase(clock, "ray_start"):
-                started_ray = init_ray(e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir)
+                started_ray = init_ray(
+                    e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir, lean=e.lean_ray
+                )
         self._started_ray = started_ray
         try:
             with _phase(clock, "actors_launch"):

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,7 +123,11 @@ class EarlyRay:
         try:
             with clock.phase("ray_start"):
                 started = init_ray(
-                    engine.address, engine.ray_num_cpus, engine.object_store_mb, engine.spill_dir
+                    engine.address,
+                    engine.ray_num_cpus,
+                    engine.object_store_mb,
+                    engine.spill_dir,
+                    lean=engine.lean_ray,
                 )
             self.imported.wait()
             if self._cancelled.is_set():  # the caller failed (a config error): no actors
@@ -186,6 +190,40 @@ class EarlyRay:
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+@contextmanager
+def _lean_head() -> Iterator[None]:
+    """While a private local Ray starts here: no dashboard server, no autoscaler monitor.
+
+    A run's private Ray needs neither: `include_dashboard=False` already loads none of the
+    dashboard's modules but one that reports usage statistics, and a one-node cluster of fixed
+    size has nothing to autoscale (rayfl checks the resources a run needs itself, with a
+    message). Yet `ray.init` starts both, each a Python process that imports Ray, and waits for
+    the dashboard server to answer before it even starts the raylet: 0.8 s of `ray.init`'s
+    2.5 s on an idle 2-core machine, more while the driver imports torch beside it, and ~1.5
+    CPU-seconds that the workers' start-up competes with. Ray (pinned in pyproject.toml) has no
+    public switch for them, so their two start methods of its head node are skipped for the
+    duration of this `ray.init` (where Ray changes and they are gone, nothing is skipped).
+    Worker logs still reach the driver (the log monitor stays), and `ray status` works."""
+    from ray._private import node
+
+    names = ("start_api_server", "start_monitor")
+    saved = {n: getattr(node.Node, n, None) for n in names}
+    if any(v is None for v in saved.values()):
+        yield
+        return
+    for n in names:
+        setattr(node.Node, n, _skip)
+    try:
+        yield
+    finally:
+        for n, method in saved.items():
+            setattr(node.Node, n, method)
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def shutdown_ray() -> None:
@@ -277,8 +315,12 @@ def init_ray(
     num_cpus: int | None,
     object_store_mb: int | None = None,
     spill_dir: str | None = None,
+    lean: bool = False,
 ) -> bool:
     """Start a private local Ray (or join `address`); returns True when this call started it.
+
+    `lean` (`engine.lean_ray`): the private local Ray starts without its dashboard server and
+    its autoscaler's monitor (see `_lean_head`).
 
     A local Ray gets an object store of `object_store_mb` (None: Ray's default, 30% of RAM) and
     spills objects that do not fit to `spill_dir` (None: Ray's default, under its temp dir)
@@ -315,7 +357,8 @@ def init_ray(
                 Path(spill_dir).mkdir(parents=True, exist_ok=True)
                 spilling = {"type": "filesystem", "params": {"directory_path": str(spill_dir)}}
                 kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
-            ray.init(address="local", num_cpus=num_cpus, **kwargs)
+            with _lean_head() if lean else nullcontext():
+                ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as exc:
         raise UserError(
             f"could not reach the Ray cluster at engine.address={address!r} ({exc}); start one with "

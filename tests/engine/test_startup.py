@@ -98,17 +98,22 @@ _SHUTDOWN_PROBE = """
 import json, sys, psutil, ray
 from rayfl.engine.startup import _MONITOR_SCRIPT, init_ray, shutdown_ray
 
-assert init_ray(None, 1)
-def monitors():
+assert init_ray(None, 1, lean=sys.argv[1] == "lean")
+def started(script):
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if any(a.endswith(_MONITOR_SCRIPT) for a in p.cmdline()):
+            if any(a.endswith(script) for a in p.cmdline()):
                 found.append(p)
         except psutil.Error:
             pass
     return found
-before = monitors()
+before = started(_MONITOR_SCRIPT)
+dashboards = len(started("dashboard/dashboard.py"))
+@ray.remote
+def one():
+    return 1
+assert ray.get(one.remote()) == 1
 alive_at_shutdown = []
 shutdown = ray.shutdown
 def recording_shutdown(*a, **kw):
@@ -117,20 +122,24 @@ def recording_shutdown(*a, **kw):
 ray.shutdown = recording_shutdown
 shutdown_ray()
 left = [p.pid for p in psutil.Process().children(recursive=True)]
-print(json.dumps({"monitors": len(before), "alive": alive_at_shutdown, "left": left}))
+print(json.dumps({"monitors": len(before), "dashboards": dashboards, "alive": alive_at_shutdown,
+                  "left": left}))
 """
 
 
 @pytest.mark.ray
-def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_path):
+@pytest.mark.parametrize("start", ["stock", "lean"])
+def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_path, start):
     # Ray gives each of its processes 1 s to exit on SIGTERM; its autoscaler monitor never does
     # in that time, so every shutdown waited 1 s before killing it. `shutdown_ray` kills it
-    # first; Ray then stops the rest, and nothing it started is left.
+    # first; Ray then stops the rest, and nothing it started is left. A lean start
+    # (`engine.lean_ray`, the default) starts neither the monitor nor the dashboard server,
+    # and runs tasks all the same.
     ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _SHUTDOWN_PROBE],
+            [sys.executable, "-c", _SHUTDOWN_PROBE, start],
             capture_output=True,
             text=True,
             timeout=300,
@@ -141,6 +150,7 @@ def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_pa
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["monitors"] == 1  # a private local Ray starts one: the test sees the real thing
+    # a stock private local Ray starts one of each: the test sees the real thing
+    assert (out["monitors"], out["dashboards"]) == ((0, 0) if start == "lean" else (1, 1))
     assert out["alive"] == []
     assert out["left"] == []
