@@ -289,6 +289,18 @@ def _kill_processes_started_since(since: float) -> None:
     psutil.wait_procs(started, timeout=2)
 
 
+# The raylet connects to its own object store's socket, which its store thread may not have
+# opened yet; Ray retries 10 times at 1 s (`raylet_client_*`), so about every other `ray.init`
+# waited 1 s more (ray.init 2.7 s against 1.75 s on an idle 2-core machine, its raylet.out showing
+# the second between "Plasma store debug dump" and "ObjectManager server started"). Same 10 s
+# deadline, retried every 20 ms: 8 starts in 8 at 1.71-1.80 s. Clients of the raylet (workers,
+# the driver) connect with the same settings.
+_CONNECT_RETRIES = {
+    "raylet_client_connect_timeout_milliseconds": 20,
+    "raylet_client_num_connect_attempts": 500,
+}
+
+
 class _DropRayNotes(logging.Filter):
     """Drops Ray's start-up warnings that say nothing to a rayfl user: that `ray.init` off the
     main thread sets no SIGTERM handler (rayfl puts the caller's back), and that the private
@@ -351,12 +363,14 @@ def init_ray(
         if address:
             ray.init(address=address, **kwargs)
         else:
+            system: dict[str, Any] = dict(_CONNECT_RETRIES)
             if object_store_mb is not None:
                 kwargs["object_store_memory"] = int(object_store_mb) * 2**20
             if spill_dir is not None:
                 Path(spill_dir).mkdir(parents=True, exist_ok=True)
                 spilling = {"type": "filesystem", "params": {"directory_path": str(spill_dir)}}
-                kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
+                system["object_spilling_config"] = json.dumps(spilling)
+            kwargs["_system_config"] = system
             with _lean_head() if lean else nullcontext():
                 ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as exc:

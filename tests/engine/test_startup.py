@@ -114,6 +114,7 @@ dashboards = len(started("dashboard/dashboard.py"))
 def one():
     return 1
 assert ray.get(one.remote()) == 1
+connect_ms = ray._private.state.state.get_system_config()["raylet_client_connect_timeout_milliseconds"]
 alive_at_shutdown = []
 shutdown = ray.shutdown
 def recording_shutdown(*a, **kw):
@@ -122,19 +123,20 @@ def recording_shutdown(*a, **kw):
 ray.shutdown = recording_shutdown
 shutdown_ray()
 left = [p.pid for p in psutil.Process().children(recursive=True)]
-print(json.dumps({"monitors": len(before), "dashboards": dashboards, "alive": alive_at_shutdown,
+print(json.dumps({"monitors": len(before), "dashboards": dashboards, "connect_ms": connect_ms,
+                  "alive": alive_at_shutdown,
                   "left": left}))
 """
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("start", ["stock", "lean"])
-def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_path, start):
+def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_path, start):
     # Ray gives each of its processes 1 s to exit on SIGTERM; its autoscaler monitor never does
     # in that time, so every shutdown waited 1 s before killing it. `shutdown_ray` kills it
     # first; Ray then stops the rest, and nothing it started is left. A lean start
     # (`engine.lean_ray`, the default) starts neither the monitor nor the dashboard server,
-    # and runs tasks all the same.
+    # and runs tasks all the same. Its raylet retries connections every 20 ms, not every 1 s.
     ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     try:
@@ -152,5 +154,6 @@ def test_shutdown_ray_stops_the_autoscaler_monitor_before_ray_waits_on_it(tmp_pa
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # a stock private local Ray starts one of each: the test sees the real thing
     assert (out["monitors"], out["dashboards"]) == ((0, 0) if start == "lean" else (1, 1))
+    assert out["connect_ms"] == 20  # not Ray's 1 s between its raylet's connection attempts
     assert out["alive"] == []
     assert out["left"] == []
