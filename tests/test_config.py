@@ -58,6 +58,32 @@ def test_bad_values_name_the_key(synthetic_raw, override, needle):
     assert needle in str(info.value)
 
 
+def test_a_server_in_the_driver_cannot_reserve_resources(synthetic_raw):
+    with pytest.raises(ConfigError) as info:
+        build_config(
+            synthetic_raw, ["engine.server_in=driver", "engine.server_resources.num_gpus=0.5"]
+        )
+    assert "engine.server_in: driver runs the server in the driver's process" in str(info.value)
+    assert "engine.server_in=actor" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "in_driver"),
+    [
+        ([], True),  # a private local Ray, a server that reserves nothing
+        (["engine.address=auto"], False),  # a joined cluster: the server goes where there is room
+        (["engine.server_resources.num_cpus=1"], False),  # it asks for a reservation
+        (["engine.server_resources.num_gpus=0.25"], False),
+        (["engine.server_in=actor"], False),
+        (["engine.server_in=driver", "engine.address=auto"], True),
+    ],
+)
+def test_where_auto_runs_the_server(synthetic_raw, overrides, in_driver):
+    from rayfl.config import server_in_driver
+
+    assert server_in_driver(build_config(synthetic_raw, overrides).engine) is in_driver
+
+
 def test_switching_algorithm_drops_the_files_other_settings(synthetic_raw):
     cfg = build_config(synthetic_raw, ["algorithm.name=local"])
     assert cfg.algorithm.name == "local"

@@ -182,6 +182,7 @@ def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
         "clients_per_call": 1,
         "checkpoint_every": 1,
         "max_retries": 1000,
+        "server_in": "actor",  # a server actor to kill (by default the server runs in the driver)
     }
     config = write_config(tmp_path, {"engine": engine})
     seed = int(os.environ.get("RAYFL_CHAOS_SEED", "0"))
