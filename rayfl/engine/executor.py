@@ -362,7 +362,6 @@ class RayExecutor(Executor):
         self.workers: list[Any] = []
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
-        self._in_driver = server_in_driver(e)
         self._server_ready: Any = None
         self.evaluator: Any = None
         self._final_scoring: _Scoring | None = None
@@ -389,7 +388,7 @@ class RayExecutor(Executor):
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
-                if not self._in_driver:
+                if not server_in_driver(e):  # else `attach` builds `local`
                     self.server = self._server_cls.remote()
                 # No CPU of its own, like the server: it fills the time workers spend off the CPU.
                 # Started when first needed (`server_step_deferred`), not in the start-up.
@@ -652,7 +651,7 @@ class RayExecutor(Executor):
             if final:  # started after the deployed evaluation's broadcast, as on an actor
                 self._final_scoring = _Scoring(models)
                 return out, self._final_scoring
-            return out, _Scoring(models, Background(self.local.score, models, name="rayfl-score"))
+            return out, _Scoring(models, self._score_in_driver(models))
 
         def call() -> tuple[dict[str, float], Any]:
             metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
@@ -678,9 +677,14 @@ class RayExecutor(Executor):
         if scoring is None:
             return
         if self.local is not None:
-            scoring.ref = Background(self.local.score, scoring.models, name="rayfl-score")
+            scoring.ref = self._score_in_driver(scoring.models)
         else:
             scoring.ref = self.server.score.remote(scoring.models)
+
+    def _score_in_driver(self, models: Any) -> Background:
+        """The server's models scored by a thread of this process (the server runs here)."""
+        assert self.local is not None
+        return Background(self.local.score, models, name="rayfl-score")
 
     def collect_eval(self, handle: Any) -> dict[str, float]:
         if handle is None:

@@ -236,17 +236,25 @@ def shutdown_ray() -> None:
     process started no monitor, and `ray.shutdown()` only disconnects."""
     import ray
 
-    killed = []
-    for child in psutil.Process().children(recursive=True):
+    killed = descendants_running(_MONITOR_SCRIPT)
+    for child in killed:
         with suppress(psutil.Error):
-            if any(part.endswith(_MONITOR_SCRIPT) for part in child.cmdline()):
-                child.kill()
-                killed.append(child)
+            child.kill()
     deadline = time.monotonic() + 1.0
     for child in killed:  # dead (a zombie, which Ray reaps) before Ray looks at it
         while time.monotonic() < deadline and _alive(child):
             time.sleep(0.002)
     ray.shutdown()
+
+
+def descendants_running(script: str) -> list[psutil.Process]:
+    """This process's descendants whose command line runs `script` (a path ending)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with suppress(psutil.Error):
+            if any(part.endswith(script) for part in child.cmdline()):
+                found.append(child)
+    return found
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -121,9 +121,7 @@ def sweep_and_report(
     path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
 ) -> tuple[SweepResult, str]:
     """`run_sweep`, also returning the structured result."""
-
-    from rayfl.engine.executor import init_ray
-    from rayfl.engine.startup import shutdown_ray
+    from rayfl.engine.startup import init_ray, shutdown_ray
 
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()

@@ -96,20 +96,11 @@ def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, s
 
 _SHUTDOWN_PROBE = """
 import json, sys, psutil, ray
-from rayfl.engine.startup import _MONITOR_SCRIPT, init_ray, shutdown_ray
+from rayfl.engine.startup import _MONITOR_SCRIPT, descendants_running, init_ray, shutdown_ray
 
 assert init_ray(None, 1, lean=sys.argv[1] == "lean")
-def started(script):
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if any(a.endswith(script) for a in p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-before = started(_MONITOR_SCRIPT)
-dashboards = len(started("dashboard/dashboard.py"))
+before = descendants_running(_MONITOR_SCRIPT)
+dashboards = len(descendants_running("dashboard/dashboard.py"))
 @ray.remote
 def one():
     return 1
