@@ -111,6 +111,19 @@ class _Calls:
         return Method()
 
 
+def record_clients_evaluate(monkeypatch, calls):
+    """Append "clients evaluate" to `calls` whenever the Ray executor's evaluation phase runs."""
+    from rayfl.engine.executor import RayExecutor
+
+    evaluate = RayExecutor.evaluate
+
+    def recording_evaluate(self, *a, **kw):
+        calls.append("clients evaluate")
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
+
+
 @pytest.mark.ray
 def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
     ray_local, synthetic_raw, monkeypatch
@@ -126,14 +139,8 @@ def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
         attach(self, *a, **kw)
         self.server = _Calls(self.server, calls)
 
-    evaluate = RayExecutor.evaluate
-
-    def recording_evaluate(self, *a, **kw):
-        calls.append("clients evaluate")
-        return evaluate(self, *a, **kw)
-
     monkeypatch.setattr(RayExecutor, "attach", recording_attach)
-    monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
+    record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=1", "engine.executor=ray", "engine.num_workers=2"]
     history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true", "engine.server_in=actor"])
     assert "proxy/acc" in history[-1]
@@ -148,7 +155,6 @@ def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients
     while the next round trains); the last one's starts after the deployed evaluation's
     broadcast and runs while the clients evaluate. Neither starts an actor."""
     from rayfl.engine import executor as executor_mod
-    from rayfl.engine.executor import RayExecutor
 
     calls: list[str] = []
 
@@ -157,14 +163,8 @@ def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients
             calls.append(kw.get("name", "?"))
             super().__init__(fn, *a, **kw)
 
-    evaluate = RayExecutor.evaluate
-
-    def recording_evaluate(self, *a, **kw):
-        calls.append("clients evaluate")
-        return evaluate(self, *a, **kw)
-
     monkeypatch.setattr(executor_mod, "Background", RecordingBackground)
-    monkeypatch.setattr(RayExecutor, "evaluate", recording_evaluate)
+    record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=2", "engine.executor=ray", "engine.num_workers=2"]
     sim = Simulation(build_config(synthetic_raw, [*base, "engine.server_in=driver"]), "/tmp/unused")
     history = sim.run().history
