@@ -30,6 +30,7 @@ from rayfl.engine.spec import (
 )
 from rayfl.engine.training import ArrayBatches, Step, accuracy, eval_batch_size, fit_tensors
 from rayfl.errors import UserError
+from rayfl.models.base import place
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def score_models(models: Mapping[str, nn.Module], data: EngineServerData) -> dic
     """`<name>/acc` of each model on the server test set (in eval mode, under inference mode)."""
     out = {}
     for name, model in models.items():
-        model.to(data.device)
+        place(model, data.device)
         correct, total = accuracy(model, data.batches("test"))
         out[f"{name}/acc"] = correct / total if total else float("nan")
     return out

@@ -28,6 +28,7 @@ from rayfl.engine.spec import (
     torch_threads,
 )
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
+from rayfl.models.base import place
 from rayfl.registry import ALGORITHMS
 
 ClientMetrics = dict[str, Any]
@@ -73,7 +74,7 @@ class ClientRunner:
             client = algo.client(self.spec.client_context(arch, self.device), algo.params())
             self._shadows[arch] = client
         for module in client.modules():
-            module.to(self.device)
+            place(module, self.device)
         return client
 
     def _trainer(

@@ -36,23 +36,17 @@ class SplitModel(nn.Module):
         return self.head(self.features(x))
 
 
-class MaxPool2d(nn.MaxPool2d):
-    """`nn.MaxPool2d` that, in CPU inference (no autograd), pools a channels-last copy of its
-    input: PyTorch's NCHW CPU kernel is the slowest layer of the small CNNs there (half of
-    cnn_small's forward pass; 10.3 ms against 4.0 ms for 64x32x28x28 on one thread, torch
-    2.14). The values are those of the stock kernel, bit for bit (a maximum is exact). Training
-    keeps the stock kernel: with its backward pass the copy costs more than it saves."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            torch.is_grad_enabled()
-            or self.return_indices
-            or x.dim() != 4
-            or x.device.type != "cpu"
-            or torch._C._are_functorch_transforms_active()  # vmap refuses memory formats
-        ):
-            return super().forward(x)
-        return super().forward(x.contiguous(memory_format=torch.channels_last)).contiguous()
+def place(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move `module` to `device`, in the memory layout fastest there: on a CPU its 4-d weights
+    (convolutions) go channels-last, and so do the activations they produce. oneDNN's NHWC
+    convolutions and PyTorch's vectorized channels-last max-pool train cnn_small 1.6x faster
+    than NCHW on one thread (1.55 s against 2.5 s for 100 batches of 64, torch 2.14) and score
+    it 1.7x faster; NCHW's max-pool alone was half of the forward pass. The layout changes the
+    order of the convolutions' sums, so results differ from NCHW in float rounding only
+    (one SGD step agrees within 1e-6). GPUs keep their default layout."""
+    if torch.device(device).type == "cpu":
+        return module.to(device).to(memory_format=torch.channels_last)
+    return module.to(device)
 
 
 def build_model(arch: str, in_shape: Sequence[int], num_classes: int) -> SplitModel:

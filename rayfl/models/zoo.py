@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from rayfl.errors import ConfigError
-from rayfl.models.base import MaxPool2d, SplitModel
+from rayfl.models.base import SplitModel
 from rayfl.registry import MODELS
 
 logger = logging.getLogger(__name__)
@@ -192,10 +192,10 @@ def cnn_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     trunk = nn.Sequential(
         nn.Conv2d(shape[0], 32, 3, padding=1),
         nn.ReLU(),
-        MaxPool2d(2),
+        nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1),
         nn.ReLU(),
-        MaxPool2d(2),
+        nn.MaxPool2d(2),
         nn.Flatten(),
     )
     flat = _flat_size(trunk, shape)
@@ -269,10 +269,10 @@ def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel
     trunk = nn.Sequential(
         nn.Conv2d(shape[0], 16, 5, padding=padding),
         nn.ReLU(),
-        MaxPool2d(2, 2),
+        nn.MaxPool2d(2, 2),
         nn.Conv2d(16, conv2_out, 5, padding=padding),
         nn.ReLU(),
-        MaxPool2d(2, 2),
+        nn.MaxPool2d(2, 2),
         nn.Flatten(),
     )
     flat = _flat_size(trunk, shape)
@@ -332,10 +332,10 @@ class ProxyExtractor(nn.Module):
             trunk = nn.Sequential(
                 nn.Conv2d(shape[0], 32, 3, padding=1),
                 nn.ReLU(),
-                MaxPool2d(2),
+                nn.MaxPool2d(2),
                 nn.Conv2d(32, 64, 3, padding=1),
                 nn.ReLU(),
-                MaxPool2d(2),
+                nn.MaxPool2d(2),
                 nn.AdaptiveAvgPool2d(1),
                 nn.Flatten(),
             )
