@@ -95,12 +95,17 @@ def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, s
 
 
 _SHUTDOWN_PROBE = """
-import json, sys, psutil, ray
+import json, os, sys, psutil, ray
 from rayfl.engine.startup import _MONITOR_SCRIPT, descendants_running, init_ray, shutdown_ray
 
 assert init_ray(None, 1, lean=sys.argv[1] == "lean")
 before = descendants_running(_MONITOR_SCRIPT)
 dashboards = len(descendants_running("dashboard/dashboard.py"))
+agents = [  # what the raylet starts its node agent with
+    next(a for a in p.cmdline() if a.startswith("--dashboard_agent_command="))
+    for p in descendants_running(os.path.join("raylet", "raylet"))
+]
+deps_imported = "ray.dashboard.optional_deps" in sys.modules
 @ray.remote
 def one():
     return 1
@@ -115,6 +120,8 @@ ray.shutdown = recording_shutdown
 shutdown_ray()
 left = [p.pid for p in psutil.Process().children(recursive=True)]
 print(json.dumps({"monitors": len(before), "dashboards": dashboards, "connect_ms": connect_ms,
+                  "agents": len(agents), "minimal": sum("--minimal" in a.split() for a in agents),
+                  "deps_imported": deps_imported,
                   "alive": alive_at_shutdown,
                   "left": left}))
 """
@@ -128,6 +135,8 @@ def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_pa
     # first; Ray then stops the rest, and nothing it started is left. A lean start
     # (`engine.lean_ray`, the default) starts neither the monitor nor the dashboard server,
     # and runs tasks all the same. Its raylet retries connections every 20 ms, not every 1 s.
+    # Its node agent is the full one, as in a stock start, though the driver never imported the
+    # dashboard's dependencies to find that out.
     ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     try:
@@ -146,5 +155,18 @@ def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_pa
     # a stock private local Ray starts one of each: the test sees the real thing
     assert (out["monitors"], out["dashboards"]) == ((0, 0) if start == "lean" else (1, 1))
     assert out["connect_ms"] == 20  # not Ray's 1 s between its raylet's connection attempts
+    assert (out["agents"], out["minimal"]) == (1, 0)
+    assert out["deps_imported"] == (start == "stock")
     assert out["alive"] == []
     assert out["left"] == []
+
+
+def test_the_lean_dependency_check_finds_what_ray_would_import(monkeypatch):
+    from rayfl.engine import startup
+
+    assert startup._dashboard_dependency_error() is None  # ray[default] is a dependency
+    monkeypatch.setattr(
+        startup, "_DASHBOARD_DEPENDENCIES", (*startup._DASHBOARD_DEPENDENCIES, "no_such.module")
+    )
+    error = startup._dashboard_dependency_error()
+    assert isinstance(error, ImportError) and "no_such.module" in str(error)
