@@ -138,6 +138,9 @@ class SerialExecutor(Executor):
 
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
+        # the same malloc settings as a worker actor: the client evaluation of the benchmark's
+        # last round took 1.5-1.6 s without them, 1.1 s with them; its training 3.5% less
+        keep_tensor_memory()
         device = resolve_device(spec.device)
         self.runner = ClientRunner(spec, federation, device)
         self.server = ServerRunner(spec, federation, device)

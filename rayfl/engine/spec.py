@@ -86,9 +86,10 @@ class RunSpec:
 
 
 def keep_tensor_memory(mmap_mb: int = 64, trim_mb: int = 256) -> bool:
-    """Let glibc's malloc keep freed tensor memory for reuse in this process (a Ray actor's, or
-    a driver that scores the server's models in a thread): allocations up to `mmap_mb` come from
-    the heap, and up to `trim_mb` of free heap stay mapped.
+    """Let glibc's malloc keep freed tensor memory for reuse in this process (a Ray actor's, a
+    driver that scores the server's models in a thread, or one that runs the serial executor):
+    allocations up to `mmap_mb` come from the heap, and up to `trim_mb` of free heap stay
+    mapped.
 
     In Ray's worker processes glibc does not raise its mmap threshold as it does in a plain
     process, so every evaluation batch maps fresh pages and faults them in: scoring the
