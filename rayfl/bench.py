@@ -354,15 +354,23 @@ def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
             "server_s": 0.0,
             "up_mb": 0.0,
             "acc": float("nan"),
+            "plain_round_s": float("nan"),
+            "eval_s": 0.0,
         }
     rows = r["rounds"]
     steady = rows[warmup:] or rows
     first = rows[0] if rows else {}
+    # rounds without the clients' evaluation (which scores every registered client under the
+    # `deployed` protocol): what the round costs as the federation grows
+    plain = [x for x in steady if "eval/clients" not in x]
+    evaluated = [x for x in rows if "eval/clients" in x]
     return {
         **r,
         "startup_s": first.get("time/startup/first_round_at_s", float("nan")),
         "in_run_s": sum(x.get("time/round_s", 0.0) for x in rows),
         "round_s": sum(x.get("time/round_s", 0.0) for x in steady) / max(1, len(steady)),
+        "plain_round_s": _mean(plain, "time/round_s") if plain else float("nan"),
+        "eval_s": _mean(evaluated, "time/eval_s"),
         "train_s": sum(x.get("time/train_s_sum", 0.0) for x in rows),
         "server_s": _mean(steady, "time/server_s"),
         # client phase time not spent training, with the training spread over the workers
@@ -382,7 +390,8 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         f"benchmark {name}: end to end = the variant's process from command to exit; "
         f"{bench.warmup_rounds} warm-up round(s) left out of s/round",
         f"  {'variant':14s} {'clients':>7s} {'/round':>6s} {'workers':>7s} {'e2e s':>8s} "
-        f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'clients/s':>9s} {'train s':>8s} "
+        f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'no-eval':>7s} {'eval s':>6s} "
+        f"{'clients/s':>9s} {'train s':>8s} "
         f"{'overhead':>8s} {'server s':>8s} {'up MB':>7s} {'acc':>6s} "
         f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'floor s':>8s} {'x floor':>7s}",
     ]
@@ -398,6 +407,7 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         lines.append(
             f"  {label:14s} {r['clients']:7d} {r['per_round']:6.0f} {r['workers']:7d} "
             f"{r['wall_s']:8.1f} {r['startup_s']:7.1f} {r['in_run_s']:8.1f} {r['round_s']:8.2f} "
+            f"{r['plain_round_s']:7.2f} {r['eval_s']:6.2f} "
             f"{r['per_round'] / r['round_s'] if r['round_s'] else float('nan'):9.1f} "
             f"{r['train_s']:8.1f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {r['up_mb']:7.3f} "
             f"{r['acc']:6.3f} {r['driver_peak_mb']:9.0f} {r['ray_peak_mb']:8.0f} "
@@ -411,7 +421,9 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         lines += repeated
     lines.append(
         "  e2e = wall time of the variant's process (imports, Ray start, data, actors, rounds, exit); "
-        "startup = process start to first round; clients/s = clients per round / steady s/round; "
+        "startup = process start to first round; no-eval = s/round of the steady rounds without "
+        "the clients' evaluation; eval s = the clients' evaluation per evaluating round; "
+        "clients/s = clients per round / steady s/round; "
         "train s = client training measured inside the workers, summed over the run; overhead = "
         "client phase per round - its training / workers (state moves, calls, client evaluation); "
         "server s = server step per round; up MB = uploads per round; "

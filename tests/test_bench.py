@@ -114,6 +114,23 @@ def floor_report(wall, train, workers, startup=3.0):
     )
 
 
+def test_rounds_without_evaluation_and_the_evaluation_are_reported_apart():
+    result = report(30.0, 40.0, 2, [9.0, 5.0, 7.0, 12.0])
+    result_rows = result["rounds"]
+    result_rows[2].update({"eval/clients": 4.0, "time/eval_s": 2.0})
+    result_rows[3].update({"eval/clients": 4.0, "time/eval_s": 4.0})
+    again = summarize(result, warmup=1)
+    assert again["round_s"] == 8.0  # rounds 2-4
+    assert again["plain_round_s"] == 5.0  # round 2 only: 3 and 4 evaluated
+    assert again["eval_s"] == 3.0
+    line = next(
+        x
+        for x in format_report("x.yaml", Bench({}, {}, 1), {"ray": again}).splitlines()
+        if x.split()[:1] == ["ray"]
+    )
+    assert line.split()[7:10] == ["8.00", "5.00", "3.00"]
+
+
 def test_ratios_to_the_floor_of_the_same_worker_count_golden():
     results = {
         floor_label(1): floor_report(45.0, 40.0, 1),
