@@ -191,15 +191,15 @@ def cnn_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     _require_min_side("cnn_small", shape, 4)
     trunk = nn.Sequential(
         nn.Conv2d(shape[0], 32, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
         nn.Flatten(),
     )
     flat = _flat_size(trunk, shape)
-    encoder = nn.Sequential(*trunk, nn.Linear(flat, _SEED3_FEATURES), nn.ReLU())
+    encoder = nn.Sequential(*trunk, nn.Linear(flat, _SEED3_FEATURES), nn.ReLU(inplace=True))
     return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
 
 
@@ -213,13 +213,13 @@ def resnet_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     encoder = nn.Sequential(
         nn.Conv2d(shape[0], 16, 3, padding=1, bias=False),
         nn.BatchNorm2d(16),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         BasicBlock(16, 32, stride=2),
         BasicBlock(32, 64, stride=2),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(64, _SEED3_FEATURES),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
     )
     return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
 
@@ -231,9 +231,9 @@ def mlp(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     encoder = nn.Sequential(
         nn.Flatten(),
         nn.Linear(math.prod(shape), 256),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Linear(256, _SEED3_FEATURES),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
     )
     return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
 
@@ -268,10 +268,10 @@ def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel
         logger.debug("%s: input %s is smaller than 16x16, using padding=2", arch, shape)
     trunk = nn.Sequential(
         nn.Conv2d(shape[0], 16, 5, padding=padding),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(2, 2),
         nn.Conv2d(16, conv2_out, 5, padding=padding),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(2, 2),
         nn.Flatten(),
     )
@@ -279,9 +279,9 @@ def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel
     encoder = nn.Sequential(
         *trunk,
         nn.Linear(flat, fc1_out),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Linear(fc1_out, _CNN5_FEATURES),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
     )
     return SplitModel(encoder, nn.Linear(_CNN5_FEATURES, num_classes), _CNN5_FEATURES)
 
@@ -331,10 +331,10 @@ class ProxyExtractor(nn.Module):
             _require_min_side("proxy_kd", (shape[0], shape[1], shape[2]), 4)
             trunk = nn.Sequential(
                 nn.Conv2d(shape[0], 32, 3, padding=1),
-                nn.ReLU(),
+                nn.ReLU(inplace=True),
                 nn.MaxPool2d(2),
                 nn.Conv2d(32, 64, 3, padding=1),
-                nn.ReLU(),
+                nn.ReLU(inplace=True),
                 nn.MaxPool2d(2),
                 nn.AdaptiveAvgPool2d(1),
                 nn.Flatten(),
@@ -344,11 +344,11 @@ class ProxyExtractor(nn.Module):
             trunk = nn.Sequential(
                 nn.Flatten(),
                 nn.Linear(math.prod(shape), 128),
-                nn.ReLU(),
+                nn.ReLU(inplace=True),
                 nn.Linear(128, 64),
-                nn.ReLU(),
+                nn.ReLU(inplace=True),
             )
-        self.encoder = nn.Sequential(*trunk, nn.Linear(64, embed_dim), nn.ReLU())
+        self.encoder = nn.Sequential(*trunk, nn.Linear(64, embed_dim), nn.ReLU(inplace=True))
         self.head = nn.Linear(embed_dim, num_classes)
         self.feature_dim = int(embed_dim)
 
@@ -524,7 +524,9 @@ _TINY_FEATURES = 16
 def tiny_a(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     """Flatten, one linear layer to 16 + ReLU (the features); any input shape."""
     shape = _check_common("tiny_a", in_shape, num_classes)
-    encoder = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), _TINY_FEATURES), nn.ReLU())
+    encoder = nn.Sequential(
+        nn.Flatten(), nn.Linear(math.prod(shape), _TINY_FEATURES), nn.ReLU(inplace=True)
+    )
     return SplitModel(encoder, nn.Linear(_TINY_FEATURES, num_classes), _TINY_FEATURES)
 
 
@@ -535,8 +537,8 @@ def tiny_b(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     encoder = nn.Sequential(
         nn.Flatten(),
         nn.Linear(math.prod(shape), 32),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Linear(32, _TINY_FEATURES),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
     )
     return SplitModel(encoder, nn.Linear(_TINY_FEATURES, num_classes), _TINY_FEATURES)

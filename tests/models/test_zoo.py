@@ -287,3 +287,28 @@ def test_placed_on_a_cpu_a_conv_model_is_channels_last_and_trains_as_nchw_does(a
     nchw.eval(), fast.eval()
     with torch.inference_mode():
         assert torch.allclose(nchw(x), fast(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["cnn_small", "cnn1", "mlp", "proxy_kd"])
+def test_in_place_relus_train_bit_for_bit_as_out_of_place_ones(arch):
+    """The zoo's ReLUs overwrite their input (no activation buffer per layer): the values and
+    the gradients are those of out-of-place ReLUs, exactly."""
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    states = []
+    for inplace in (True, False):
+        torch.manual_seed(0)
+        model = build_model(arch, (1, 28, 28), 10)
+        relus = [m for m in model.modules() if isinstance(m, torch.nn.ReLU)]
+        assert relus and all(m.inplace for m in relus)
+        for m in relus:
+            m.inplace = inplace
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for start in (0, 16):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(
+                model(x[start : start + 16]), y[start : start + 16]
+            )
+            loss.backward()
+            opt.step()
+        states.append(model.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
