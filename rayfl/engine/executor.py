@@ -25,7 +25,7 @@ from rayfl.config import EngineConfig, server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.background import Background
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
-from rayfl.engine.spec import RunSpec, keep_tensor_memory, resolve_device
+from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray, shutdown_ray
 from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
 from rayfl.errors import UserError
@@ -138,9 +138,6 @@ class SerialExecutor(Executor):
 
     def __init__(self, spec: RunSpec, federation: Federation) -> None:
         self.spec = spec
-        # the same malloc settings as a worker actor: the client evaluation of the benchmark's
-        # last round took 1.5-1.6 s without them, 1.1 s with them; its training 3.5% less
-        keep_tensor_memory()
         device = resolve_device(spec.device)
         self.runner = ClientRunner(spec, federation, device)
         self.server = ServerRunner(spec, federation, device)
@@ -419,7 +416,6 @@ class RayExecutor(Executor):
                 # the server answers through its setup, the workers through info() after theirs
                 self._server_ready = ready[len(self.workers)]
             else:  # built while the workers' processes import torch
-                keep_tensor_memory()  # as in an actor: its scoring thread would fault every batch
                 self.local = ServerRunner(spec, federation, resolve_device(spec.device, []))
             with _phase(clock, "actors_ready"):
                 deadline = time.monotonic() + spec.engine.startup_timeout_s

@@ -115,6 +115,7 @@ def is_finite(payload: Any) -> bool:
 
 class ServerRunner:
     def __init__(self, spec: RunSpec, federation: Federation, device: torch.device) -> None:
+        keep_tensor_memory()  # for the process it runs in: an actor's or the driver
         self.spec = spec
         self.device = device
         torch.manual_seed(derive_seed(spec.seed, SERVER))
@@ -247,7 +248,6 @@ class ServerActor:
             self.setup(spec, federation)
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
-        keep_tensor_memory()
         self.runner = ServerRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:

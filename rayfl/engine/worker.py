@@ -39,6 +39,7 @@ class ClientRunner:
     """Trains and evaluates virtual clients one after another on one device."""
 
     def __init__(self, spec: RunSpec, federation: Federation, device: torch.device) -> None:
+        keep_tensor_memory()  # for the process it trains in: an actor's, or the serial driver
         self.spec = spec
         self.federation = federation
         self.device = device
@@ -260,7 +261,6 @@ class ClientWorker:
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
         # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
-        keep_tensor_memory()
         self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def fit(
