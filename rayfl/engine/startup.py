@@ -115,6 +115,7 @@ class EarlyRay:
             self.imported.set()  # no second thread imports: nothing to wait for
             self._launch()
         else:
+            _register_fork_hooks_first()
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
 
     def _launch(self) -> None:
@@ -304,6 +305,18 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 _MONITOR_SCRIPT = os.path.join("autoscaler", "_private", "monitor.py")
+
+
+def _register_fork_hooks_first() -> None:
+    """Before a thread that forks (Ray's start spawns its processes with a `preexec_fn`, which
+    runs the `os.register_at_fork` hooks) while this one imports torch: import here the modules
+    that register a pair of hooks, one before a fork and one after it in the parent. CPython
+    runs the "before" hooks from a copy of its list and the "after" ones from the list as it
+    is then; a pair registered in between, while the other thread's "before" hooks run Python
+    code, has its "after" hook run alone. torch's import of `concurrent.futures.thread` did
+    that: its `_global_shutdown_lock.release` raised "release unlocked lock", and Python
+    printed that traceback above a config error's one line (seen in CI). 7 ms."""
+    import concurrent.futures.thread  # noqa: F401
 
 
 def _silence_what_is_left_behind() -> None:

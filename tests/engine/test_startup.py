@@ -94,6 +94,44 @@ def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, s
     assert launched == [] and early.executor is None and early.error is None
 
 
+_FORK_HOOK_PROBE = """
+import json, os, threading
+late = []
+register = os.register_at_fork
+def recording(**hooks):
+    starter = [t for t in threading.enumerate() if t.name == "rayfl-ray-start"]
+    if starter and threading.current_thread() is not starter[0] and "after_in_parent" in hooks:
+        late.append(repr(hooks["after_in_parent"]))
+    return register(**hooks)
+os.register_at_fork = recording
+from rayfl.cli import main
+code = main(["run", "experiments/pfedes_fmnist.yaml", "model.architectures=[cnn_small, cnn9]"])
+print(json.dumps({"code": code, "late": late}))
+"""
+
+
+@pytest.mark.ray
+def test_no_fork_hook_pair_is_registered_beside_the_thread_that_starts_ray():
+    # While Ray's start forks in its thread, the config check imports torch in this one; a
+    # before/after pair of fork hooks registered then has its "after" hook run alone: torch's
+    # `concurrent.futures.thread` printed "release unlocked lock" above a config error (CI).
+    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _FORK_HOOK_PROBE],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "RAY_TMPDIR": ray_tmp},
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"code": 2, "late": []}
+    assert "Traceback" not in proc.stderr
+
+
 _SHUTDOWN_PROBE = """
 import json, os, sys, psutil, ray
 from rayfl.engine.startup import _MONITOR_SCRIPT, descendants_running, init_ray, shutdown_ray
