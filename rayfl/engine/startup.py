@@ -71,9 +71,12 @@ class StartupClock:
 
 class EarlyRay:
     """Starts Ray and then the actors' processes while the caller imports the engine (torch) and
-    loads the data; `finish` hands them the spec and the dataset. Creating one imports nothing
-    heavy, so `rayfl run` starts it before torch: Ray's start (4-6 s) overlaps the imports.
-    Created with `imported=False`, the thread imports the executor (torch) only after the caller
+    loads the data; `finish` hands them the spec and the dataset. Creating one imports Ray and
+    nothing heavier, so `rayfl run` starts it before torch: Ray's start overlaps the imports.
+    Ray is imported here, before the thread starts, not in it: imported beside torch it took
+    1.4 s of the GIL-shared process instead of 0.25 s, and Ray's processes started ~1 s after
+    the command, with one of the 2 cores idle meanwhile; first round at 4.0 s against 4.2-4.8
+    s (`rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml`). Created with `imported=False`, the thread imports the executor (torch) only after the caller
     calls `imported.set()`: two threads importing one package with circular imports can fail
     with Python's import-lock `_DeadlockError`.
 
@@ -116,6 +119,8 @@ class EarlyRay:
             self._launch()
         else:
             _register_fork_hooks_first()
+            import ray  # noqa: F401  (see the class's docstring)
+
             threading.Thread(target=self._hold, name="rayfl-ray-start", daemon=True).start()
 
     def _launch(self) -> None:
