@@ -172,7 +172,7 @@ class ServerRunner:
         self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
         metrics.update(self.server.update(self.data, rnd))
         if evaluate:
-            metrics.update(self.score(self.server.eval_models()))
+            metrics.update(self.score(self._scored_copies()))
         return metrics
 
     def score(self, models: Mapping[str, nn.Module]) -> dict[str, float]:
@@ -187,12 +187,15 @@ class ServerRunner:
         """The step without its evaluation, and copies (on the CPU) of the models it would have
         scored: whoever scores them later gets the numbers `step` would have returned."""
         metrics = self.step(round_idx, reply_lists, evaluate=False)
-        models = {}
-        if evaluate:
-            models = {
-                name: copy.deepcopy(m).to("cpu") for name, m in self.server.eval_models().items()
-            }
-        return metrics, models
+        return metrics, self._scored_copies() if evaluate else {}
+
+    def _scored_copies(self) -> dict[str, nn.Module]:
+        """Copies (on the CPU) of the models the step scores, for `step` itself and for whoever
+        scores them later: scoring places a model in its fastest layout (`score_models`), and
+        the server's own models must keep theirs. FedFD's global model, placed channels-last by
+        an in-place scoring, distilled its next rounds in another order of sums, so
+        `engine.pipeline_eval=false` drifted from the pipelined run (tested)."""
+        return {name: copy.deepcopy(m).to("cpu") for name, m in self.server.eval_models().items()}
 
     def state_dict(self) -> dict[str, Any]:
         return self.server.state_dict()
@@ -202,7 +205,8 @@ class ServerRunner:
 
 
 def score_models(models: Mapping[str, nn.Module], data: EngineServerData) -> dict[str, float]:
-    """`<name>/acc` of each model on the server test set (in eval mode, under inference mode)."""
+    """`<name>/acc` of each model on the server test set (in eval mode, under inference mode).
+    The models are moved to the data's device in its fastest layout (`place`): pass copies."""
     out = {}
     for name, model in models.items():
         place(model, data.device)

@@ -57,6 +57,20 @@ def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw):
     check(synthetic_raw, ["engine.rounds=3", "engine.executor=serial"])
 
 
+def test_scoring_in_place_leaves_a_server_trained_conv_model_as_it_was(synthetic_raw):
+    # FedFD distils into its global model every round; scoring placed it channels-last when it
+    # was scored in place (pipeline_eval=false), and the next rounds' sums ran in another order.
+    synthetic_raw["data"]["options"] = {"num_samples": 400, "num_test": 200, "shape": [1, 16, 16]}
+    synthetic_raw["data"]["public_fraction"] = 0.2
+    synthetic_raw["model"] = {"architectures": ["resnet18_w1", "resnet18_w2"]}
+    synthetic_raw["algorithm"] = {"name": "fedfd", "global_arch": "resnet18_w2", "steps": 3}
+    base = ["engine.rounds=3", "engine.executor=serial"]
+    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"])
+    on, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true"])
+    assert all("global/acc" in r for r in off)
+    assert [comparable(r) for r in off] == [comparable(r) for r in on]
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("server_in", ["driver", "actor"])
 def test_pipelined_evaluation_gives_the_same_rows_ray(ray_local, synthetic_raw, server_in):
