@@ -76,9 +76,11 @@ class EarlyRay:
     Ray is imported here, before the thread starts, not in it: imported beside torch it took
     1.4 s of the GIL-shared process instead of 0.25 s, and Ray's processes started ~1 s after
     the command, with one of the 2 cores idle meanwhile; first round at 4.0 s against 4.2-4.8
-    s (`rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml`). Created with `imported=False`, the thread imports the executor (torch) only after the caller
-    calls `imported.set()`: two threads importing one package with circular imports can fail
-    with Python's import-lock `_DeadlockError`.
+    s (`rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml`).
+
+    Created with `imported=False`, the thread imports the executor (torch) only after the
+    caller calls `imported.set()`: two threads importing one package with circular imports
+    can fail with Python's import-lock `_DeadlockError`.
 
     When this process has to start Ray, it does so in a thread, which must outlive Ray: Ray's own
     processes (GCS, raylet) are started with a parent-death signal, which Linux sends when the
