@@ -94,6 +94,11 @@ class EngineConfig:
     # the run starts its own local Ray (no `address`) and the server reserves nothing, else an
     # actor. Same numbers either way.
     server_in: Literal["auto", "driver", "actor"] = "auto"
+    # Whether the driver trains as one of the `num_workers` (a `ClientWorker` in this process
+    # taking batches from the round's queue beside the actors, so one actor fewer starts): `auto`
+    # when the run starts its own local Ray, the server runs in the driver, workers reserve no
+    # GPU, rounds have no deadline and there are at least 2 workers. Same numbers either way.
+    driver_trains: bool | Literal["auto"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     address: str | None = (
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
@@ -306,6 +311,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _options(tp: Any) -> list[str]:
+    """The values a bool or Literal annotation allows, as a config writes them (else none)."""
+    if tp is bool:
+        return ["true", "false"]
+    if typing.get_origin(tp) is Literal:
+        return [str(a) for a in typing.get_args(tp)]
+    return []
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
     origin = typing.get_origin(tp)
@@ -321,6 +335,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 return _convert(value, arg, key)
             except ConfigError as exc:
                 errors.append(exc)
+        options = [_options(a) for a in args if a is not type(None)]
+        if all(options):  # e.g. `bool | Literal["auto"]`: one message naming every choice
+            names = [o for opts in options for o in opts]
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed{suggest(str(value), names)}; "
+                f"choose one of {', '.join(names)}"
+            )
         raise errors[0]
     if origin is Literal:
         if value not in args:
@@ -633,6 +654,18 @@ def check(cfg: RunConfig) -> None:
         "driver runs the server in the driver's process, which reserves nothing; set "
         "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
     )
+    require(
+        e.driver_trains is not True or e.worker_resources.num_gpus == 0,
+        "engine.driver_trains",
+        "true trains in the driver's process, which holds no GPU share; set "
+        "engine.driver_trains=false (or auto) to train on GPU workers",
+    )
+    require(
+        e.driver_trains is not True or e.round_timeout_s is None,
+        "engine.driver_trains",
+        "true cannot honour engine.round_timeout_s (a batch the driver trains cannot be "
+        "cancelled at the deadline); set engine.driver_trains=false (or auto)",
+    )
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
@@ -657,6 +690,23 @@ def server_in_driver(e: EngineConfig) -> bool:
         return e.server_in == "driver"
     res = e.server_resources
     return e.address is None and res.num_cpus == 0 and res.num_gpus == 0
+
+
+def driver_trains(e: EngineConfig, started_ray: bool, workers: int) -> bool:
+    """Whether the Ray executor's driver trains as one of its `workers` (`engine.driver_trains`;
+    `auto`: see the field). `started_ray`: the run started its own Ray (not a cluster or a Tune
+    trial's, where the driver's CPU is not the run's to use)."""
+    if e.driver_trains != "auto":
+        return bool(e.driver_trains)
+    return (
+        started_ray
+        and e.address is None
+        and server_in_driver(e)
+        and e.worker_resources.num_gpus == 0
+        and e.device != "cuda"
+        and e.round_timeout_s is None
+        and workers >= 2
+    )
 
 
 def ray_preview(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -21,7 +22,7 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import EngineConfig, server_in_driver
+from rayfl.config import EngineConfig, driver_trains, server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.background import Background
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
@@ -376,15 +377,20 @@ class RayExecutor(Executor):
                     e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir, lean=e.lean_ray
                 )
         self._started_ray = started_ray
+        self.driver: ClientWorker | None = None  # the driver's own worker (`driver_trains`)
+        self._starting: list[Any] = []  # the actors' setup calls, awaited by the first round's
+        self._clock = clock
         try:
             with _phase(clock, "actors_launch"):
                 self.num_workers = plan_workers(e, per_round)
+                self._driver_trains = driver_trains(e, started_ray, self.num_workers)
                 self._worker_cls = ray.remote(ClientWorker).options(
                     num_cpus=e.worker_resources.num_cpus,
                     num_gpus=e.worker_resources.num_gpus,
                     max_restarts=0,
                 )
-                self.workers = [self._worker_cls.remote() for _ in range(self.num_workers)]
+                actors = self.num_workers - 1 if self._driver_trains else self.num_workers
+                self.workers = [self._worker_cls.remote() for _ in range(actors)]
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
@@ -404,6 +410,7 @@ class RayExecutor(Executor):
     ) -> None:
         """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
         self.spec = spec
+        self._clock = clock or self._clock
         self._train_sizes = [len(c.train) for c in federation.clients]
         self._test_sizes = [len(c.test) for c in federation.clients]
         try:
@@ -417,16 +424,33 @@ class RayExecutor(Executor):
                 self._server_ready = ready[len(self.workers)]
             else:  # built while the workers' processes import torch
                 self.local = ServerRunner(spec, federation, resolve_device(spec.device, []))
-            with _phase(clock, "actors_ready"):
-                deadline = time.monotonic() + spec.engine.startup_timeout_s
-                for ref in ready:  # a setup error (e.g. no GPU) surfaces here, as itself
-                    with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                        ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                self._await_started()  # replaces actors that died; times out with a message
+            if self._driver_trains:
+                self.driver = ClientWorker(spec, federation)
+            if self.driver is not None and self.server is None:
+                # The driver starts training at once; the actors join the first round once they
+                # answer (`_await_ready`, in the round's actor lane).
+                self._starting = ready
+            else:
+                self._await_ready(ready)
         except BaseException:
             self.close()
             raise
-        log.info("Ray executor: %d workers", self.num_workers)
+        log.info(
+            "Ray executor: %d workers%s",
+            self.num_workers,
+            " (the driver is one of them)" if self.driver is not None else "",
+        )
+
+    def _await_ready(self, ready: list[Any]) -> None:
+        """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
+        as itself; actors that died are replaced; a start past `engine.startup_timeout_s` is a
+        UserError."""
+        with _phase(self._clock, "actors_ready"):
+            deadline = time.monotonic() + self.spec.engine.startup_timeout_s
+            for ref in ready:
+                with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            self._await_started()  # replaces actors that died; times out with a message
 
     def _new_server(self) -> None:
         with suppress(Exception):
@@ -505,7 +529,15 @@ class RayExecutor(Executor):
         return self._worker_cls.remote(self.spec, self._federation_ref)
 
     def worker_info(self) -> list[dict[str, Any]]:
+        """The actors' `ClientWorker.info` (the driver's own worker, when it trains, is not one)."""
+        self._actors_started()
         return ray.get([w.info.remote() for w in self.workers])
+
+    def _actors_started(self) -> None:
+        """Await the actors' start if `attach` left it to the first round (`_starting`)."""
+        if self._starting:
+            starting, self._starting = self._starting, []
+            self._await_ready(starting)
 
     def broadcast(
         self, round_idx: int, archs: Sequence[str]
@@ -529,59 +561,54 @@ class RayExecutor(Executor):
     ) -> tuple[list[ClientMetrics], list[Any]]:
         e = self.spec.engine
         order = longest_first(client_ids, self._train_sizes, self.spec.archs if e.grouped else None)
-        pending = deque(_batches(order, e.clients_per_call))
         retries: dict[tuple[int, ...], int] = {}
-        idle = deque(range(len(self.workers)))
-        running: dict[Any, tuple[int, list[int], list[Any]]] = {}
         metrics: list[ClientMetrics] = []
         reply_refs: list[Any] = []
+
+        def submit(slot: int, batch: list[int]) -> tuple[Any, Any]:
+            states = [self.states.get(c) for c in batch]
+            refs = (
+                self.workers[slot]
+                .fit.options(num_returns=2 + len(batch))
+                .remote(round_idx, batch, payloads, evaluate, *states)
+            )
+            return refs[0], refs
+
+        def finish(batch: list[int], refs: Any) -> tuple[Any, ...]:
+            return ray_get(refs[0]), refs[1], refs[2:]
+
+        def in_driver(batch: list[int]) -> tuple[Any, ...]:
+            assert self.driver is not None
+            rows, replies, *states = self.driver.fit(
+                round_idx, batch, payloads, evaluate, *self._resolved(batch)
+            )
+            return rows, ray.put(replies), [ray.put(state) for state in states]
+
+        def record(batch: list[int], result: tuple[Any, ...]) -> None:
+            rows, replies, states = result
+            metrics.extend(rows)
+            reply_refs.append(replies)
+            self.states.update(zip(batch, states))
+
+        def died(batch: list[int]) -> None:
+            key = tuple(batch)
+            retries[key] = retries.get(key, 0) + 1
+            if retries[key] > e.max_retries:
+                raise UserError(
+                    f"round {round_idx}: clients {batch} failed {retries[key]} times (worker died); "
+                    "check memory (engine.worker_resources) or raise engine.max_retries"
+                )
+            log.warning(
+                "round %d: a worker died; retrying clients %s on a new worker", round_idx, batch
+            )
+
         deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
-        while pending or running:
-            while pending and idle:
-                batch = pending.popleft()
-                slot = idle.popleft()
-                refs = (
-                    self.workers[slot]
-                    .fit.options(num_returns=2 + len(batch))
-                    .remote(
-                        round_idx, batch, payloads, evaluate, *[self.states.get(c) for c in batch]
-                    )
-                )
-                running[refs[0]] = (slot, batch, refs)
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
-            if not done:
-                log.warning(
-                    "round %d: deadline engine.round_timeout_s=%s passed; %d client batches dropped",
-                    round_idx,
-                    e.round_timeout_s,
-                    len(running) + len(pending),
-                )
-                for ref in running:
-                    with suppress(Exception):
-                        ray.cancel(ref)
-                break
-            slot, batch, refs = running.pop(done[0])
-            try:
-                metrics.extend(ray_get(refs[0]))
-            except ray.exceptions.RayActorError:
-                key = tuple(batch)
-                retries[key] = retries.get(key, 0) + 1
-                if retries[key] > e.max_retries:
-                    raise UserError(
-                        f"round {round_idx}: clients {batch} failed {retries[key]} times (worker died); "
-                        "check memory (engine.worker_resources) or raise engine.max_retries"
-                    ) from None
-                log.warning(
-                    "round %d: a worker died; retrying clients %s on a new worker", round_idx, batch
-                )
-                self.workers[slot] = self._new_worker()
-                pending.appendleft(batch)
-                idle.append(slot)
-                continue
-            reply_refs.append(refs[1])
-            self.states.update(zip(batch, refs[2:]))
-            idle.append(slot)
+        self._dispatch(
+            round_idx,
+            _batches(order, e.clients_per_call),
+            _Lane(submit, finish, in_driver, record, died),
+            deadline,
+        )
         return metrics, reply_refs
 
     def evaluate(
@@ -592,33 +619,108 @@ class RayExecutor(Executor):
         state, so a batch whose worker died simply runs again on a new worker."""
         e = self.spec.engine
         order = longest_first(client_ids, self._test_sizes)
-        pending = deque(_batches(order, e.clients_per_call))
-        idle = deque(range(len(self.workers)))
-        running: dict[Any, tuple[int, list[int]]] = {}
         failures = 0
         rows: list[ClientMetrics] = []
-        while pending or running:
-            while pending and idle:
-                batch, slot = pending.popleft(), idle.popleft()
-                states = [self.states.get(c) for c in batch]
-                ref = self.workers[slot].evaluate.remote(round_idx, batch, payloads, *states)
-                running[ref] = (slot, batch)
-            done, _ = ray.wait(list(running), num_returns=1)
-            slot, batch = running.pop(done[0])
-            try:
-                rows.extend(ray.get(done[0]))
-            except ray.exceptions.RayActorError:
-                failures += 1
-                if failures > e.max_retries:
-                    raise UserError(
-                        f"round {round_idx}: evaluation failed {failures} times (worker died); "
-                        "check memory (engine.worker_resources) or raise engine.max_retries"
-                    ) from None
-                log.warning("round %d: a worker died in evaluation; retrying %s", round_idx, batch)
-                self.workers[slot] = self._new_worker()
-                pending.appendleft(batch)
-            idle.append(slot)
+
+        def submit(slot: int, batch: list[int]) -> tuple[Any, Any]:
+            states = [self.states.get(c) for c in batch]
+            ref = self.workers[slot].evaluate.remote(round_idx, batch, payloads, *states)
+            return ref, ref
+
+        def in_driver(batch: list[int]) -> list[ClientMetrics]:
+            assert self.driver is not None
+            return self.driver.evaluate(round_idx, batch, payloads, *self._resolved(batch))
+
+        def died(batch: list[int]) -> None:
+            nonlocal failures
+            failures += 1
+            if failures > e.max_retries:
+                raise UserError(
+                    f"round {round_idx}: evaluation failed {failures} times (worker died); "
+                    "check memory (engine.worker_resources) or raise engine.max_retries"
+                )
+            log.warning("round %d: a worker died in evaluation; retrying %s", round_idx, batch)
+
+        lane = _Lane(
+            submit, lambda _, ref: ray_get(ref), in_driver, lambda _, r: rows.extend(r), died
+        )
+        self._dispatch(round_idx, _batches(order, e.clients_per_call), lane)
         return rows
+
+    def _resolved(self, batch: list[int]) -> list[Payload | None]:
+        """The states of `batch` as values, as an actor receives them (for the driver's worker)."""
+        refs = [self.states[c] for c in batch if c in self.states]
+        values = iter(ray.get(refs) if refs else [])
+        return [next(values) if c in self.states else None for c in batch]
+
+    def _dispatch(
+        self, round_idx: int, batches: list[list[int]], lane: _Lane, deadline: float | None = None
+    ) -> None:
+        """Run `batches`, each on whichever worker is free: the actors, through Ray, and the
+        driver's own worker when it trains (`engine.driver_trains`), in this thread while a
+        second one feeds the actors. A batch whose actor died runs again on a new actor
+        (`lane.died` raises when that is once too often); at the `deadline` the actors' calls are
+        cancelled and the batches not started are dropped."""
+        queue = _Queue(batches)
+        if self.driver is None:
+            self._actor_lane(round_idx, queue, lane, deadline)
+            return
+        actors = Background(self._actor_lane, round_idx, queue, lane, deadline, name="rayfl-lane")
+        try:
+            while (batch := queue.take()) is not None:
+                result = lane.in_driver(batch)
+                with queue.lock:
+                    lane.record(batch, result)
+        except BaseException:
+            queue.stop()  # the actors take nothing more; their calls end with the executor
+            raise
+        actors.result()
+
+    def _actor_lane(
+        self, round_idx: int, queue: _Queue, lane: _Lane, deadline: float | None
+    ) -> None:
+        self._actors_started()  # the first round's: the driver trained meanwhile
+        idle = deque(range(len(self.workers)))
+        running: dict[Any, tuple[int, list[int], Any]] = {}
+        try:
+            while True:
+                while idle and (batch := queue.take()) is not None:
+                    slot = idle.popleft()
+                    ref, handle = lane.submit(slot, batch)
+                    running[ref] = (slot, batch, handle)
+                if not running:
+                    return
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+                if not done:
+                    log.warning(
+                        "round %d: deadline engine.round_timeout_s=%s passed; %d client batches "
+                        "dropped",
+                        round_idx,
+                        self.spec.engine.round_timeout_s,
+                        len(running) + queue.stop(),
+                    )
+                    for ref in running:
+                        with suppress(Exception):
+                            ray.cancel(ref)
+                    return
+                slot, batch, handle = running.pop(done[0])
+                try:
+                    result = lane.finish(batch, handle)
+                except ray.exceptions.RayActorError:
+                    result = _DIED
+                if result is _DIED:
+                    lane.died(batch)  # raises when the batch failed once too often
+                    self.workers[slot] = self._new_worker()
+                    queue.put_back(batch)
+                    idle.append(slot)
+                    continue
+                with queue.lock:
+                    lane.record(batch, result)
+                idle.append(slot)
+        except BaseException:
+            queue.stop()  # the driver's worker takes nothing more either
+            raise
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         if self.local is not None:
@@ -743,6 +845,47 @@ class RayExecutor(Executor):
             shutdown_ray()
             self._started_ray = False
             self.after_shutdown()
+
+
+_DIED = object()  # `_actor_lane`: the call's actor died
+
+
+@dataclass
+class _Lane:
+    """How `RayExecutor._dispatch` runs one kind of call: `submit(slot, batch)` to an actor
+    (its ObjectRef to wait on and a handle), `finish(batch, handle)` its result (raises
+    RayActorError when the actor died), `in_driver(batch)` the same call on the driver's worker,
+    `record(batch, result)` (called under the queue's lock), `died(batch)` on a dead actor."""
+
+    submit: Callable[[int, list[int]], tuple[Any, Any]]
+    finish: Callable[[list[int], Any], Any]
+    in_driver: Callable[[list[int]], Any]
+    record: Callable[[list[int], Any], None]
+    died: Callable[[list[int]], None]
+
+
+class _Queue:
+    """A round's batches, taken by whichever worker is free (the actors' lane and the driver's),
+    longest first; `stop` empties it."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.lock = threading.Lock()
+        self._pending = deque(batches)
+
+    def take(self) -> list[int] | None:
+        with self.lock:
+            return self._pending.popleft() if self._pending else None
+
+    def put_back(self, batch: list[int]) -> None:
+        with self.lock:
+            self._pending.appendleft(batch)
+
+    def stop(self) -> int:
+        """Drop the batches not taken; returns how many."""
+        with self.lock:
+            dropped = len(self._pending)
+            self._pending.clear()
+            return dropped
 
 
 @dataclass
