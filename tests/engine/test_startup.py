@@ -148,6 +148,7 @@ deps_imported = "ray.dashboard.optional_deps" in sys.modules
 def one():
     return 1
 assert ray.get(one.remote()) == 1
+worker_niceness = ray.get(ray.remote(lambda: os.nice(0)).remote())
 connect_ms = ray._private.state.state.get_system_config()["raylet_client_connect_timeout_milliseconds"]
 alive_at_shutdown = []
 shutdown = ray.shutdown
@@ -159,7 +160,7 @@ shutdown_ray()
 left = [p.pid for p in psutil.Process().children(recursive=True)]
 print(json.dumps({"monitors": len(before), "dashboards": dashboards, "connect_ms": connect_ms,
                   "agents": len(agents), "minimal": sum("--minimal" in a.split() for a in agents),
-                  "deps_imported": deps_imported,
+                  "deps_imported": deps_imported, "niceness": [os.nice(0), worker_niceness],
                   "alive": alive_at_shutdown,
                   "left": left}))
 """
@@ -174,7 +175,8 @@ def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_pa
     # (`engine.lean_ray`, the default) starts neither the monitor nor the dashboard server,
     # and runs tasks all the same. Its raylet retries connections every 20 ms, not every 1 s.
     # Its node agent is the full one, as in a stock start, though the driver never imported the
-    # dashboard's dependencies to find that out.
+    # dashboard's dependencies to find that out. Its workers run at the driver's niceness, not
+    # at Ray's 15.
     ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     try:
@@ -195,6 +197,7 @@ def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_pa
     assert out["connect_ms"] == 20  # not Ray's 1 s between its raylet's connection attempts
     assert (out["agents"], out["minimal"]) == (1, 0)
     assert out["deps_imported"] == (start == "stock")
+    assert out["niceness"][1] == out["niceness"][0]
     assert out["alive"] == []
     assert out["left"] == []
 
