@@ -94,11 +94,11 @@ def test_the_shipped_ray_experiments_fit_the_shipped_cluster(
     shipped, experiment, monkeypatch
 ) -> None:
     from rayfl.config import clients_per_round, load_config
-    from rayfl.engine import executor
+    from rayfl.engine import pool
 
     cfg = load_config(CLUSTER_YAML.parent / experiment)
-    monkeypatch.setattr(executor.ray, "cluster_resources", lambda: _full_cluster(shipped))
-    workers = executor.plan_workers(cfg.engine, clients_per_round(cfg))
+    monkeypatch.setattr(pool.ray, "cluster_resources", lambda: _full_cluster(shipped))
+    workers = pool.plan_workers(cfg.engine, clients_per_round(cfg))
     wanted = cfg.engine.num_workers or -(-clients_per_round(cfg) // cfg.engine.clients_per_call)
     assert workers == wanted, f"{experiment}: {workers} workers fit, {wanted} wanted"
 

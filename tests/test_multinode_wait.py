@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rayfl.config import build_config
-from rayfl.engine.executor import plan_workers
+from rayfl.engine.pool import plan_workers
 from rayfl.errors import UserError
 
 

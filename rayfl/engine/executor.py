@@ -9,7 +9,6 @@ as references the driver owns, never in its heap.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -22,13 +21,14 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import EngineConfig, driver_trains, server_in_driver
+from rayfl.config import EngineConfig, server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.background import Background
+from rayfl.engine.pool import ClientWorker, WorkerPool, start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray, shutdown_ray
-from rayfl.engine.worker import ClientMetrics, ClientRunner, ClientWorker
+from rayfl.engine.worker import ClientMetrics, ClientRunner
 from rayfl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -234,106 +234,6 @@ def _value_or_get(handle: Any) -> Any:
     return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
 
 
-def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
-    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
-    not even the server fits)."""
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    w, s = e.worker_resources, e.server_resources
-    if s.num_cpus > cpus or s.num_gpus > gpus:
-        return 0
-    fits = []
-    if w.num_cpus > 0:
-        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
-    if w.num_gpus > 0:
-        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
-    return max(0, min(fits))
-
-
-def _bundle(res: Any) -> dict[str, float]:
-    return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
-
-
-def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
-    """On a joined cluster (`engine.address`), ask the autoscaler for the run's workers and
-    server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
-    (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
-    Returns the cluster's resources; raises UserError when the time runs out."""
-    from ray.autoscaler.sdk import request_resources
-
-    required = e.num_workers or 1
-    total = ray.cluster_resources()
-    if _capacity(e, total) >= required:
-        return total
-    wanted = max(required, math.ceil(per_round / e.clients_per_call))
-    bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
-    if _bundle(e.server_resources):
-        bundles.append(_bundle(e.server_resources))
-    w = e.worker_resources
-    need = f"{required} worker(s) of {w.num_cpus:g} CPU / {w.num_gpus:g} GPU"
-    request_resources(bundles=bundles)
-    log.warning(
-        "the cluster has %g CPU / %g GPU, not enough for %s; asked the autoscaler for %d "
-        "worker bundles and waiting up to %.0f s (engine.wait_for_resources_s)",
-        total.get("CPU", 0.0),
-        total.get("GPU", 0.0),
-        need,
-        wanted,
-        e.wait_for_resources_s,
-    )
-    start = time.monotonic()
-    next_note = start + 60.0
-    while time.monotonic() - start < e.wait_for_resources_s:
-        time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
-        total = ray.cluster_resources()
-        if _capacity(e, total) >= required:
-            log.warning(
-                "resources arrived after %.0f s: %g CPU / %g GPU",
-                time.monotonic() - start,
-                total.get("CPU", 0.0),
-                total.get("GPU", 0.0),
-            )
-            return total
-        if time.monotonic() >= next_note:
-            log.warning("still waiting for %s (%.0f s so far)", need, time.monotonic() - start)
-            next_note += 60.0
-    raise UserError(
-        f"waited engine.wait_for_resources_s={e.wait_for_resources_s:g} s for {need} but the "
-        f"cluster has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU; check the "
-        "autoscaler (`ray status`, `ray monitor cluster.yaml`), raise engine.wait_for_resources_s "
-        "or lower engine.worker_resources"
-    )
-
-
-def plan_workers(e: EngineConfig, per_round: int) -> int:
-    """How many workers fit the cluster with `engine.worker_resources` (after the server's share).
-    On a joined cluster it first waits for the autoscaler (see `wait_for_resources`)."""
-    if e.address and e.wait_for_resources_s > 0:
-        total = wait_for_resources(e, per_round)
-    else:
-        total = ray.cluster_resources()
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    w, s = e.worker_resources, e.server_resources
-    if s.num_cpus > cpus or s.num_gpus > gpus:
-        raise UserError(
-            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
-            f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
-        )
-    capacity = _capacity(e, total)
-    if capacity < 1:
-        raise UserError(
-            f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
-            f"has {cpus:g} CPU / {gpus:g} GPU (server takes {s.num_cpus:g} / {s.num_gpus:g}); lower "
-            "engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
-        )
-    wanted = e.num_workers or math.ceil(per_round / e.clients_per_call)
-    if e.num_workers and e.num_workers > capacity:
-        raise UserError(
-            f"engine.num_workers={e.num_workers} workers need more than the cluster has "
-            f"(room for {capacity}); lower engine.num_workers or engine.worker_resources"
-        )
-    return max(1, min(wanted, capacity))
-
-
 class RayExecutor(Executor):
     """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
     with an evaluation actor for its pipelined scoring. Built in two steps so that start-up
@@ -355,12 +255,15 @@ class RayExecutor(Executor):
         per_round: int,
         clock: StartupClock | None = None,
         started_ray: bool | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
         """Start Ray (unless it runs; `started_ray`: the caller did, True if it started it) and
-        the actors' processes, which import torch meanwhile."""
+        the actors' processes, which import torch meanwhile (`pool`: the workers' actors, when
+        the caller started them: `rayfl.engine.startup.EarlyRay`; they are this executor's
+        from here, closed with it)."""
         self._started_ray = False
         self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
-        self.workers: list[Any] = []
+        self.workers: list[Any] = list(pool.actors) if pool is not None else []
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
         self._server_ready: Any = None
@@ -374,23 +277,23 @@ class RayExecutor(Executor):
         if started_ray is None:
             with _phase(clock, "ray_start"):
                 started_ray = init_ray(
-                    e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir, lean=e.lean_ray
+                    e.address,
+                    e.ray_num_cpus,
+                    e.object_store_mb,
+                    e.spill_dir,
+                    lean=e.lean_ray,
+                    prestart=False,
                 )
         self._started_ray = started_ray
         self.driver: ClientWorker | None = None  # the driver's own worker (`driver_trains`)
         self._starting: list[Any] = []  # the actors' setup calls, awaited by the first round's
         self._clock = clock
         try:
-            with _phase(clock, "actors_launch"):
-                self.num_workers = plan_workers(e, per_round)
-                self._driver_trains = driver_trains(e, started_ray, self.num_workers)
-                self._worker_cls = ray.remote(ClientWorker).options(
-                    num_cpus=e.worker_resources.num_cpus,
-                    num_gpus=e.worker_resources.num_gpus,
-                    max_restarts=0,
-                )
-                actors = self.num_workers - 1 if self._driver_trains else self.num_workers
-                self.workers = [self._worker_cls.remote() for _ in range(actors)]
+            with _phase(clock if pool is None else None, "actors_launch"):
+                if pool is None:
+                    pool = start_workers(e, per_round, started_ray)
+                self.num_workers, self._driver_trains = pool.num_workers, pool.driver_trains
+                self._worker_cls, self.workers = pool.cls, pool.actors
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )

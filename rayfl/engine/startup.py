@@ -80,7 +80,11 @@ class EarlyRay:
 
     Created with `imported=False`, the thread imports the executor (torch) only after the
     caller calls `imported.set()`: two threads importing one package with circular imports
-    can fail with Python's import-lock `_DeadlockError`.
+    can fail with Python's import-lock `_DeadlockError`. The workers' actors do not wait for
+    that: a Ray this thread started gets them at once (`rayfl.engine.pool`, torch-free), and
+    their processes import torch beside the driver, as the compute floor's processes do (first
+    round at 2.42-2.49 s against 2.92-4.62 s, the actor set up at 3.60-3.76 s against
+    3.68-5.83 s, together with `init_ray(prestart=False)`, in a slow hour of the machine).
 
     When this process has to start Ray, it does so in a thread, which must outlive Ray: Ray's own
     processes (GCS, raylet) are started with a parent-death signal, which Linux sends when the
@@ -136,7 +140,16 @@ class EarlyRay:
                     engine.object_store_mb,
                     engine.spill_dir,
                     lean=engine.lean_ray,
+                    prestart=False,
                 )
+            pool = None
+            if started and not self._cancelled.is_set():
+                # The workers' processes import torch while this one does (rayfl.engine.pool
+                # imports none); a Ray this process started stops with them on a failure.
+                from rayfl.engine.pool import start_workers
+
+                with clock.phase("actors_launch"):
+                    pool = start_workers(engine, per_round, started)
             self.imported.wait()
             if self._cancelled.is_set():  # the caller failed (a config error): no actors
                 return
@@ -145,7 +158,8 @@ class EarlyRay:
             executor = RayExecutor.__new__(RayExecutor)
             if self._thread_started:
                 executor.after_shutdown = self._release.set
-            executor.launch(engine, per_round, clock, started_ray=started)  # closes on failure
+            # closes on failure
+            executor.launch(engine, per_round, clock, started_ray=started, pool=pool)
             self.executor = executor
         except BaseException as exc:  # re-raised on the caller's thread by `finish`
             self.error = exc
@@ -404,11 +418,17 @@ def init_ray(
     object_store_mb: int | None = None,
     spill_dir: str | None = None,
     lean: bool = False,
+    prestart: bool = True,
 ) -> bool:
     """Start a private local Ray (or join `address`); returns True when this call started it.
 
     `lean` (`engine.lean_ray`): the private local Ray starts without its dashboard server and
-    its autoscaler's monitor (see `_lean_head`).
+    its autoscaler's monitor (see `_lean_head`). `prestart=False`: it starts no worker process
+    before a task or actor asks for one. Ray otherwise starts one per CPU as the driver
+    connects, which helps where tasks come later (Tune's trials); a run creates its actors as
+    soon as Ray is up (`EarlyRay`), and with the driver training there is one actor on the
+    2-core benchmark: the other process, ~80 MB and ~0.4 s of CPU while the driver imports
+    torch, was never used.
 
     A local Ray gets an object store of `object_store_mb` (None: Ray's default, 30% of RAM) and
     spills objects that do not fit to `spill_dir` (None: Ray's default, under its temp dir)
@@ -440,6 +460,8 @@ def init_ray(
             ray.init(address=address, **kwargs)
         else:
             system: dict[str, Any] = {**_CONNECT_RETRIES, **_WORKERS_AT_DRIVER_PRIORITY}
+            if not prestart:
+                system["prestart_worker_first_driver"] = False
             if object_store_mb is not None:
                 kwargs["object_store_memory"] = int(object_store_mb) * 2**20
             if spill_dir is not None:

@@ -1,4 +1,5 @@
-"""Client execution: `ClientRunner` trains batches of virtual clients; `ClientWorker` is its Ray actor.
+"""Client execution: `ClientRunner` trains batches of virtual clients; its Ray actor is
+`rayfl.engine.pool.ClientWorker`.
 
 A runner caches one client half per architecture and loads each client's state into it in place,
 so hundreds of clients cost memory for their state, not a process each. The serial executor
@@ -7,12 +8,10 @@ uses the same runner in-process, which is why both executors give the same numbe
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import ray
 import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
@@ -24,7 +23,6 @@ from rayfl.engine.spec import (
     RunSpec,
     derive_seed,
     keep_tensor_memory,
-    resolve_device,
     torch_threads,
 )
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
@@ -246,62 +244,3 @@ class ClientRunner:
             row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
         new_state.update({BASELINE + k: v for k, v in shadow.state_dict().items()})
         return seconds
-
-
-class ClientWorker:
-    """Ray actor around a `ClientRunner`; created with `ray.remote(ClientWorker).options(...)`."""
-
-    runner: ClientRunner
-
-    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
-        # Started without them, the process imports torch while the driver loads the data;
-        # `setup` then completes it (rayfl.engine.startup).
-        if spec is not None and federation is not None:
-            self.setup(spec, federation)
-
-    def setup(self, spec: RunSpec, federation: Federation) -> None:
-        # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
-        self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
-
-    def fit(
-        self,
-        round_idx: int,
-        client_ids: list[int],
-        payload_refs: dict[str, Any],
-        evaluate: bool,
-        *states: Payload | None,
-    ) -> tuple[Any, ...]:
-        keys = list(payload_refs)
-        values = ray.get([payload_refs[k] for k in keys]) if keys else []
-        metrics, replies, new_states = self.runner.fit(
-            round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
-        )
-        return (metrics, replies, *new_states)
-
-    def evaluate(
-        self,
-        round_idx: int,
-        client_ids: list[int],
-        payload_refs: dict[str, Any],
-        *states: Payload | None,
-    ) -> list[ClientMetrics]:
-        keys = list(payload_refs)
-        values = ray.get([payload_refs[k] for k in keys]) if keys else []
-        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
-
-    def info(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        return {
-            "pid": os.getpid(),
-            "node_id": ctx.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device": str(self.runner.device),
-            "torch_threads": torch.get_num_threads(),
-            # peak GPU memory this worker's training allocated (0 on the CPU)
-            "cuda_max_memory_mb": (
-                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
-                if self.runner.device.type == "cuda"
-                else 0.0
-            ),
-        }

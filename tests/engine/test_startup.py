@@ -211,3 +211,55 @@ def test_the_lean_dependency_check_finds_what_ray_would_import(monkeypatch):
     )
     error = startup._dashboard_dependency_error()
     assert isinstance(error, ImportError) and "no_such.module" in str(error)
+
+
+_EARLY_WORKERS_PROBE = """
+import json, sys, time, psutil
+from rayfl.config import ray_preview, read_yaml
+from rayfl.engine.startup import EarlyRay, StartupClock
+
+engine, per_round = ray_preview(read_yaml(sys.argv[1]), [])  # as `rayfl run`: before torch
+early = EarlyRay(engine, per_round, StartupClock(), imported=False)
+names, deadline = [], time.monotonic() + 120
+while time.monotonic() < deadline and not any("ClientWorker" in n for n in names):
+    time.sleep(0.05)
+    names = [p.name() for p in psutil.Process().children(recursive=True) if p.is_running()]
+torch_before = "torch" in sys.modules
+early.cancel(wait=True)
+left = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"names": names, "torch": torch_before, "left": left}))
+"""
+
+
+@pytest.mark.ray
+def test_a_private_ray_starts_the_workers_actors_before_the_driver_imports_torch(
+    tmp_path, synthetic_raw
+):
+    # `rayfl run`'s EarlyRay: the actors' processes import torch beside the driver, not after
+    # it; Ray prestarts no worker process that nothing uses (the driver trains as the second of
+    # the 2 workers: one actor). Cancelled, nothing stays behind.
+    synthetic_raw["engine"].update(
+        executor="ray", ray_num_cpus=2, num_workers=2, worker_resources={"num_cpus": 1}
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(synthetic_raw))
+    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _EARLY_WORKERS_PROBE, str(config)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    workers = [n for n in out["names"] if n.startswith("ray::")]
+    assert sum("ClientWorker" in n for n in workers) == 1, out["names"]
+    assert not any("IDLE" in n for n in workers), out["names"]
+    assert out["torch"] is False
+    assert out["left"] == []

@@ -1,0 +1,222 @@
+"""The client workers' actors: how many a run gets (`plan_workers`), their class (`ClientWorker`)
+and their start (`start_workers`).
+
+Importing this module imports Ray and nothing heavier (no torch): the thread that starts a
+run's private Ray (`rayfl.engine.startup.EarlyRay`) starts the actors as soon as Ray is up, so
+their processes import torch while the driver imports it too, not after.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from rayfl.config import EngineConfig, driver_trains
+from rayfl.errors import UserError
+
+if TYPE_CHECKING:
+    from rayfl.algorithms.base import Payload
+    from rayfl.data.federated import Federation
+    from rayfl.engine.spec import RunSpec
+    from rayfl.engine.worker import ClientMetrics, ClientRunner
+
+log = logging.getLogger(__name__)
+
+
+class ClientWorker:
+    """Ray actor around a `rayfl.engine.worker.ClientRunner`; created with
+    `ray.remote(ClientWorker).options(...)` (`start_workers`), or in-process for a driver that
+    trains (`engine.driver_trains`)."""
+
+    runner: ClientRunner
+
+    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
+        # Started without them, the process imports torch while the driver imports it and loads
+        # the data; `setup` then completes it (rayfl.engine.startup).
+        import rayfl.engine.worker  # noqa: F401
+
+        if spec is not None and federation is not None:
+            self.setup(spec, federation)
+
+    def setup(self, spec: RunSpec, federation: Federation) -> None:
+        from rayfl.engine.spec import resolve_device
+        from rayfl.engine.worker import ClientRunner
+
+        # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
+        self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
+
+    def fit(
+        self,
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        evaluate: bool,
+        *states: Payload | None,
+    ) -> tuple[Any, ...]:
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        metrics, replies, new_states = self.runner.fit(
+            round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
+        )
+        return (metrics, replies, *new_states)
+
+    def evaluate(
+        self,
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        *states: Payload | None,
+    ) -> list[ClientMetrics]:
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        ctx = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": str(self.runner.device),
+            "torch_threads": torch.get_num_threads(),
+            # peak GPU memory this worker's training allocated (0 on the CPU)
+            "cuda_max_memory_mb": (
+                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
+                if self.runner.device.type == "cuda"
+                else 0.0
+            ),
+        }
+
+
+@dataclass
+class WorkerPool:
+    """What `start_workers` started: `num_workers` workers, the driver one of them when
+    `driver_trains`, the others `actors` of class `cls` (a new one replaces one that died)."""
+
+    num_workers: int
+    driver_trains: bool
+    cls: Any
+    actors: list[Any]
+
+
+def start_workers(e: EngineConfig, per_round: int, started_ray: bool) -> WorkerPool:
+    """Plan the run's workers and create their actors, without their spec and data (each
+    process imports torch meanwhile; `ClientWorker.setup` follows)."""
+    num_workers = plan_workers(e, per_round)
+    trains = driver_trains(e, started_ray, num_workers)
+    cls = ray.remote(ClientWorker).options(
+        num_cpus=e.worker_resources.num_cpus,
+        num_gpus=e.worker_resources.num_gpus,
+        max_restarts=0,
+    )
+    actors = [cls.remote() for _ in range(num_workers - 1 if trains else num_workers)]
+    return WorkerPool(num_workers, trains, cls, actors)
+
+
+def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
+    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
+    not even the server fits)."""
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        return 0
+    fits = []
+    if w.num_cpus > 0:
+        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
+    if w.num_gpus > 0:
+        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
+    return max(0, min(fits))
+
+
+def _bundle(res: Any) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+
+
+def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> dict[str, float]:
+    """On a joined cluster (`engine.address`), ask the autoscaler for the run's workers and
+    server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
+    (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
+    Returns the cluster's resources; raises UserError when the time runs out."""
+    from ray.autoscaler.sdk import request_resources
+
+    required = e.num_workers or 1
+    total = ray.cluster_resources()
+    if _capacity(e, total) >= required:
+        return total
+    wanted = max(required, math.ceil(per_round / e.clients_per_call))
+    bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
+    if _bundle(e.server_resources):
+        bundles.append(_bundle(e.server_resources))
+    w = e.worker_resources
+    need = f"{required} worker(s) of {w.num_cpus:g} CPU / {w.num_gpus:g} GPU"
+    request_resources(bundles=bundles)
+    log.warning(
+        "the cluster has %g CPU / %g GPU, not enough for %s; asked the autoscaler for %d "
+        "worker bundles and waiting up to %.0f s (engine.wait_for_resources_s)",
+        total.get("CPU", 0.0),
+        total.get("GPU", 0.0),
+        need,
+        wanted,
+        e.wait_for_resources_s,
+    )
+    start = time.monotonic()
+    next_note = start + 60.0
+    while time.monotonic() - start < e.wait_for_resources_s:
+        time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
+        total = ray.cluster_resources()
+        if _capacity(e, total) >= required:
+            log.warning(
+                "resources arrived after %.0f s: %g CPU / %g GPU",
+                time.monotonic() - start,
+                total.get("CPU", 0.0),
+                total.get("GPU", 0.0),
+            )
+            return total
+        if time.monotonic() >= next_note:
+            log.warning("still waiting for %s (%.0f s so far)", need, time.monotonic() - start)
+            next_note += 60.0
+    raise UserError(
+        f"waited engine.wait_for_resources_s={e.wait_for_resources_s:g} s for {need} but the "
+        f"cluster has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU; check the "
+        "autoscaler (`ray status`, `ray monitor cluster.yaml`), raise engine.wait_for_resources_s "
+        "or lower engine.worker_resources"
+    )
+
+
+def plan_workers(e: EngineConfig, per_round: int) -> int:
+    """How many workers fit the cluster with `engine.worker_resources` (after the server's share).
+    On a joined cluster it first waits for the autoscaler (see `wait_for_resources`)."""
+    if e.address and e.wait_for_resources_s > 0:
+        total = wait_for_resources(e, per_round)
+    else:
+        total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        raise UserError(
+            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
+            f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
+        )
+    capacity = _capacity(e, total)
+    if capacity < 1:
+        raise UserError(
+            f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
+            f"has {cpus:g} CPU / {gpus:g} GPU (server takes {s.num_cpus:g} / {s.num_gpus:g}); lower "
+            "engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
+        )
+    wanted = e.num_workers or math.ceil(per_round / e.clients_per_call)
+    if e.num_workers and e.num_workers > capacity:
+        raise UserError(
+            f"engine.num_workers={e.num_workers} workers need more than the cluster has "
+            f"(room for {capacity}); lower engine.num_workers or engine.worker_resources"
+        )
+    return max(1, min(wanted, capacity))
