@@ -563,14 +563,20 @@ class RayExecutor(Executor):
         driver's own worker when it trains (`engine.driver_trains`), in this thread while a
         second one feeds the actors. A batch whose actor died runs again on a new actor
         (`lane.died` raises when that is once too often); at the `deadline` the actors' calls are
-        cancelled and the batches not started are dropped."""
+        cancelled and the batches not started are dropped.
+
+        The driver's worker takes one client at a time from the front batch (a whole batch with
+        `engine.grouped`, which trains it as one computation): it pays no call per batch, and
+        the round ends within one small client of the actors' last call, not within a batch
+        of them. Which worker trains a client never changes its numbers."""
         queue = _Queue(batches)
         if self.driver is None:
             self._actor_lane(round_idx, queue, lane, deadline)
             return
         actors = Background(self._actor_lane, round_idx, queue, lane, deadline, name="rayfl-lane")
+        one = None if self.spec.engine.grouped else 1
         try:
-            while (batch := queue.take()) is not None:
+            while (batch := queue.take(one)) is not None:
                 result = lane.in_driver(batch)
                 with queue.lock:
                     lane.record(batch, result)
@@ -775,9 +781,16 @@ class _Queue:
         self.lock = threading.Lock()
         self._pending = deque(batches)
 
-    def take(self) -> list[int] | None:
+    def take(self, most: int | None = None) -> list[int] | None:
+        """The front batch, or its first `most` clients (the rest stays in front)."""
         with self.lock:
-            return self._pending.popleft() if self._pending else None
+            if not self._pending:
+                return None
+            front = self._pending[0]
+            if most is None or len(front) <= most:
+                return self._pending.popleft()
+            self._pending[0] = front[most:]
+            return front[:most]
 
     def put_back(self, batch: list[int]) -> None:
         with self.lock:

@@ -125,8 +125,8 @@ FEDFD = {  # the server distils into its global model (threads beside the driver
 def test_the_driver_training_beside_the_actors_gives_the_serial_numbers(
     ray_local, synthetic_raw, algorithm
 ):
-    # engine.driver_trains: the driver's own worker takes batches from the queue the actors
-    # take them from (one client per call, so both train every round); pipelined scoring of the
+    # engine.driver_trains: the driver's own worker takes clients from the queue the actors
+    # take their batches from (one client per call, so both train every round); pipelined scoring of the
     # server's models (a driver thread) runs beside the driver's training in every round.
     if algorithm == "fedfd":
         synthetic_raw["data"].update(FEDFD["data"], public_fraction=0.2)
@@ -136,6 +136,8 @@ def test_the_driver_training_beside_the_actors_gives_the_serial_numbers(
     serial = history(synthetic_raw, [*common, "engine.executor=serial"])
     forced = [*common, "engine.executor=ray", "engine.driver_trains=true"]
     two = history(synthetic_raw, [*forced, "engine.num_workers=2"])
+    # the driver takes single clients out of the actors' batches of 3
+    split = history(synthetic_raw, [*forced, "engine.num_workers=2", "engine.clients_per_call=3"])
     alone = history(synthetic_raw, [*forced, "engine.num_workers=1"])  # no actor at all
     off = history(
         synthetic_raw,
@@ -144,6 +146,7 @@ def test_the_driver_training_beside_the_actors_gives_the_serial_numbers(
     assert (
         [comparable(r) for r in serial]
         == [comparable(r) for r in two]
+        == [comparable(r) for r in split]
         == [comparable(r) for r in alone]
         == [comparable(r) for r in off]
     )
@@ -199,3 +202,17 @@ def test_an_actors_failure_ends_the_round_while_the_driver_trains(ray_local, syn
             ex.fit(1, list(range(6)), payloads, evaluate=False)
     finally:
         ex.close()
+
+
+def test_the_round_queue_gives_the_driver_single_clients_and_the_actors_what_is_left():
+    from rayfl.engine.executor import _Queue
+
+    queue = _Queue([[5, 3], [4, 1], [2]])
+    assert queue.take(1) == [5]
+    assert queue.take() == [3]  # an actor's call: the rest of the front batch
+    assert queue.take(1) == [4]
+    queue.put_back([7, 8])  # a dead actor's batch runs next
+    assert queue.take() == [7, 8]
+    assert queue.take(None) == [1]
+    assert queue.take(1) == [2]
+    assert queue.take() is None and queue.take(1) is None
