@@ -158,14 +158,19 @@ def versions() -> dict[str, str]:
 
 class RunDirectory(Callback):
     """Writes the run directory: config.yaml, partition Parquet and plot, metrics.parquet after every
-    round (so a crash loses no measured round), summary.json and plots at the end."""
+    round (so a crash loses no measured round), summary.json and plots at the end.
 
-    def __init__(self, run_dir: str | Path) -> None:
+    The plots are drawn by a plotting process at the lowest CPU priority, started with the run
+    (`rayfl.tracking.plotter`; `plot_process=False`: in this process, at the end)."""
+
+    def __init__(self, run_dir: str | Path, plot_process: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.started = time.time()
         self.artifacts: list[Path] = []
         self._opened = False
         self._partition: Background | None = None
+        self._plot_process = plot_process
+        self._plotter: Any = None
 
     def on_run_start(self, sim: Simulation) -> None:
         from rayfl.data.federated import save_partition
@@ -181,6 +186,23 @@ class RunDirectory(Callback):
         self._partition = Background(
             save_partition, sim.federation, self.run_dir, name="rayfl-write"
         )
+        if self._plot_process:
+            from rayfl.tracking.plotter import PlotProcess
+
+            self._plotter = PlotProcess()
+            self._plotter.send(self._labels_job(sim))
+
+    def _labels_job(self, sim: Simulation) -> dict[str, Any]:
+        from rayfl.tracking.plotter import LABELS
+
+        counts = sim.federation.class_counts("train")
+        path = self.run_dir / LABELS
+        return {
+            "job": "labels",
+            "counts": counts.tolist(),
+            "dataset": sim.federation.dataset.name,
+            "path": str(path),
+        }
 
     def _partition_saved(self) -> None:
         if self._partition is not None:
@@ -208,36 +230,46 @@ class RunDirectory(Callback):
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
         """summary.json, then the plots: the label distribution (from the partition saved at the
-        start) and the learning curves. All are drawn here, while the executor shuts down (see
-        `Simulation.run`), not at the start, where matplotlib's ~1.5 s of CPU delayed the first
-        round on a small machine."""
-        from rayfl.data.federated import plot_label_distribution
-        from rayfl.tracking.plots import plot_learning_curves, plot_per_architecture
-
+        start) and the learning curves, from the plotting process (see the class), else drawn
+        here: while the executor shuts down (see `Simulation.run`), not at the start, where
+        matplotlib's ~1.5 s of CPU delayed the first round on a small machine."""
+        plotter, self._plotter = self._plotter, None
         if not self._opened:
             # the run failed before it started (e.g. a refused resume): leave the directory as it was
+            if plotter is not None:
+                plotter.stop()
             return
         history = sim.result.history
         self._partition_saved()
         self.write_summary(sim, status)
         self.artifacts += [self.run_dir / "summary.json"]
-        try:
-            path = self.run_dir / "label_distribution.png"
-            self.artifacts.append(plot_label_distribution(sim.federation, path))
-        except Exception:
-            log.exception("could not plot the label distribution")
+        curves = {
+            "job": "curves",
+            "history": history,
+            "title": sim.cfg.name,
+            "dir": str(self.run_dir),
+        }
+        done = {}
+        if plotter is not None:
+            if history:
+                plotter.send(curves)
+            done = plotter.finish()
+        from rayfl.tracking.plotter import draw
+
+        jobs = [("labels", lambda: self._labels_job(sim))]
+        if history:
+            jobs.append(("curves", lambda: curves))
+        for name, job in jobs:
+            if name not in done:
+                try:
+                    done[name] = draw(job())
+                except Exception:
+                    log.exception("could not draw the %s plot", name)
+                    continue
+            self.artifacts += done[name]
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
             self.artifacts.append(self.run_dir / "metrics.parquet")
-            self.artifacts.append(
-                plot_learning_curves(
-                    history, self.run_dir / "learning_curves.png", title=sim.cfg.name
-                )
-            )
-            if any(k.startswith("personal/acc/arch=") for k in history[-1]):
-                self.artifacts.append(
-                    plot_per_architecture(history, self.run_dir / "per_architecture.png")
-                )
 
 
 def write_metrics(history: list[dict[str, float]], path: Path) -> None:

@@ -292,3 +292,51 @@ def plot_metric_vs_params(
             ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+MAX_BAR_CLIENTS = 300  # above this, the label distribution is drawn as an image, not bars
+
+
+def plot_class_counts(counts: Any, dataset: str, path: str | Path) -> Path:
+    """Save a stacked horizontal bar chart of each client's training class counts (`counts`:
+    clients x classes, `Federation.class_counts`) of `dataset` as PNG; returns `path`."""
+    import matplotlib
+    import numpy as np
+
+    counts = np.asarray(counts)
+    n_clients, n_classes = counts.shape
+    title = f"{dataset}: label distribution over {n_clients} clients"
+    if n_clients > MAX_BAR_CLIENTS:
+        # One bar per client and class is 10k x 10 artists at 10k clients (minutes to draw):
+        # above a few hundred clients, each client's class shares as one image row instead.
+        fig = Figure(figsize=(8.0, 8.0))
+        ax = fig.add_subplot()
+        shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+        image = ax.imshow(shares, aspect="auto", interpolation="nearest", cmap="viridis")
+        fig.colorbar(image, ax=ax, label="share of the client's training samples")
+        ax.set_xlabel("class")
+        ax.set_ylabel("client")
+        ax.set_title(title)
+    else:
+        fig = Figure(figsize=(8.0, min(2.0 + 0.25 * n_clients, 40.0)))
+        ax = fig.add_subplot()
+        cmap = matplotlib.colormaps[
+            "tab10" if n_classes <= 10 else "tab20" if n_classes <= 20 else "viridis"
+        ]
+        left = np.zeros(n_clients)
+        clients = np.arange(n_clients)
+        for cls in range(n_classes):
+            color = cmap(cls if n_classes <= 20 else cls / max(n_classes - 1, 1))
+            ax.barh(clients, counts[:, cls], left=left, color=color, label=str(cls), height=0.8)
+            left += counts[:, cls]
+        ax.set_xlabel("training samples")
+        ax.set_ylabel("client")
+        ax.set_title(title)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(n_clients - 0.5, -0.5)  # client 0 on top, no empty rows
+        if n_classes <= 20:
+            ax.legend(title="class", loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+    return path

@@ -165,12 +165,12 @@ def test_plot_label_distribution_of_many_clients_is_an_image(dataset, tmp_path, 
     # Above MAX_BAR_CLIENTS clients the plot is one image row per client, not a bar per class.
     from matplotlib.axes import Axes
 
-    import rayfl.data.federated as federated
+    import rayfl.tracking.plots as plots
 
     def no_bars(*args, **kwargs):
         raise AssertionError("drew bars")
 
-    monkeypatch.setattr(federated, "MAX_BAR_CLIENTS", 4)
+    monkeypatch.setattr(plots, "MAX_BAR_CLIENTS", 4)
     monkeypatch.setattr(Axes, "barh", no_bars)
     fed = build(dataset)
     path = plot_label_distribution(fed, tmp_path / "labels.png")
