@@ -345,7 +345,7 @@ def preflight(suite: Suite) -> None:
 
 def _parallel_ray(suite: Suite) -> bool:
     """Parallel runs are Ray tasks whatever their executor: join or start the suite's Ray."""
-    from rayfl.engine.executor import init_ray
+    from rayfl.engine.startup import init_ray
 
     e = suite.runs[0].config.engine
     return init_ray(e.address, e.ray_num_cpus)
@@ -360,7 +360,7 @@ def _shared_ray(suite: Suite) -> Any:
     }
     if len(keys) != 1:
         return None
-    from rayfl.engine.executor import init_ray
+    from rayfl.engine.startup import init_ray
 
     address, num_cpus = keys.pop()
     return init_ray(address, num_cpus)

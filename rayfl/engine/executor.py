@@ -27,7 +27,7 @@ from rayfl.engine.background import Background
 from rayfl.engine.pool import ClientWorker, WorkerPool, start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
-from rayfl.engine.startup import StartupClock, init_ray, shutdown_ray
+from rayfl.engine.startup import StartupClock, init_ray_for_run, shutdown_ray
 from rayfl.engine.worker import ClientMetrics, ClientRunner
 from rayfl.errors import UserError
 
@@ -276,14 +276,7 @@ class RayExecutor(Executor):
         self._server_state: Any = None
         if started_ray is None:
             with _phase(clock, "ray_start"):
-                started_ray = init_ray(
-                    e.address,
-                    e.ray_num_cpus,
-                    e.object_store_mb,
-                    e.spill_dir,
-                    lean=e.lean_ray,
-                    prestart=False,
-                )
+                started_ray = init_ray_for_run(e)
         self._started_ray = started_ray
         self.driver: ClientWorker | None = None  # the driver's own worker (`driver_trains`)
         self._starting: list[Any] = []  # the actors' setup calls, awaited by the first round's

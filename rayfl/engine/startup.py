@@ -134,14 +134,7 @@ class EarlyRay:
         started = False
         try:
             with clock.phase("ray_start"):
-                started = init_ray(
-                    engine.address,
-                    engine.ray_num_cpus,
-                    engine.object_store_mb,
-                    engine.spill_dir,
-                    lean=engine.lean_ray,
-                    prestart=False,
-                )
+                started = init_ray_for_run(engine)
             pool = None
             if started and not self._cancelled.is_set():
                 # The workers' processes import torch while this one does (rayfl.engine.pool
@@ -410,6 +403,13 @@ _RAY_START_LOGGERS = (
     "ray._private.worker",
     "ray._private.authentication.authentication_token_setup",
 )
+
+
+def init_ray_for_run(e: EngineConfig) -> bool:
+    """`init_ray` with a run's `engine` settings: its actors follow at once, so no prestart."""
+    return init_ray(
+        e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir, lean=e.lean_ray, prestart=False
+    )
 
 
 def init_ray(

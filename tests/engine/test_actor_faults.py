@@ -6,6 +6,7 @@ import ray
 
 from rayfl.config import build_config
 from rayfl.engine import executor as executor_mod
+from rayfl.engine import startup
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.loop import Simulation
 from rayfl.engine.server import RoundFailed
@@ -69,5 +70,5 @@ def test_a_ray_start_up_failure_is_one_line_with_the_fix(monkeypatch):
     monkeypatch.setattr(executor_mod.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(executor_mod.ray, "init", timeout)
     with pytest.raises(UserError, match="could not start a local Ray") as err:
-        executor_mod.init_ray(None, 2)
+        startup.init_ray(None, 2)
     assert "\n" not in str(err.value) and "engine.executor=serial" in str(err.value)

@@ -132,6 +132,25 @@ def test_no_fork_hook_pair_is_registered_beside_the_thread_that_starts_ray():
     assert "Traceback" not in proc.stderr
 
 
+def _probe(script: str, *args: str, cwd: Path) -> dict:
+    """Run `script` in a fresh Python with a private Ray of its own; its last line, as JSON."""
+    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=cwd,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _SHUTDOWN_PROBE = """
 import json, os, sys, psutil, ray
 from rayfl.engine.startup import _MONITOR_SCRIPT, descendants_running, init_ray, shutdown_ray
@@ -177,21 +196,7 @@ def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_pa
     # Its node agent is the full one, as in a stock start, though the driver never imported the
     # dashboard's dependencies to find that out. Its workers run at the driver's niceness, not
     # at Ray's 15.
-    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _SHUTDOWN_PROBE, start],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=tmp_path,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _probe(_SHUTDOWN_PROBE, start, cwd=tmp_path)
     # a stock private local Ray starts one of each: the test sees the real thing
     assert (out["monitors"], out["dashboards"]) == ((0, 0) if start == "lean" else (1, 1))
     assert out["connect_ms"] == 20  # not Ray's 1 s between its raylet's connection attempts
@@ -243,21 +248,7 @@ def test_a_private_ray_starts_the_workers_actors_before_the_driver_imports_torch
     )
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(synthetic_raw))
-    ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _EARLY_WORKERS_PROBE, str(config)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=tmp_path,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _probe(_EARLY_WORKERS_PROBE, str(config), cwd=tmp_path)
     workers = [n for n in out["names"] if n.startswith("ray::")]
     assert sum("ClientWorker" in n for n in workers) == 1, out["names"]
     assert not any("IDLE" in n for n in workers), out["names"]
