@@ -97,7 +97,8 @@ class EngineConfig:
     # Whether the driver trains as one of the `num_workers` (a `ClientWorker` in this process
     # taking batches from the round's queue beside the actors, so one actor fewer starts): `auto`
     # when the run starts its own local Ray, the server runs in the driver, workers reserve no
-    # GPU, rounds have no deadline and there are at least 2 workers. Same numbers either way.
+    # GPU, rounds have no deadline, there are at least 2 workers and a round makes few calls
+    # per worker (`DRIVER_TRAINS_MAX_CALLS`). Same numbers either way.
     driver_trains: bool | Literal["auto"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     address: str | None = (
@@ -692,10 +693,19 @@ def server_in_driver(e: EngineConfig) -> bool:
     return e.address is None and res.num_cpus == 0 and res.num_gpus == 0
 
 
-def driver_trains(e: EngineConfig, started_ray: bool, workers: int) -> bool:
+# `engine.driver_trains=auto` trains in the driver only while a round makes at most this many
+# calls per worker. The thread that feeds the actors shares the driver's GIL with its training:
+# with many short calls the actors wait for it between calls. At 1,000 clients per round
+# (`experiments/benchmarks/scale10k.yaml`, 25 per call, 2 workers: 20 calls per worker) the
+# steady round took 12.2-17.1 s with the driver training against 9.0 s without; at 100 per
+# round (2 calls) and on the 20-client benchmark (5) it was as fast or faster.
+DRIVER_TRAINS_MAX_CALLS = 8
+
+
+def driver_trains(e: EngineConfig, started_ray: bool, workers: int, per_round: int) -> bool:
     """Whether the Ray executor's driver trains as one of its `workers` (`engine.driver_trains`;
-    `auto`: see the field). `started_ray`: the run started its own Ray (not a cluster or a Tune
-    trial's, where the driver's CPU is not the run's to use)."""
+    `auto`: see the field) in rounds of `per_round` clients. `started_ray`: the run started its
+    own Ray (not a cluster or a Tune trial's, where the driver's CPU is not the run's to use)."""
     if e.driver_trains != "auto":
         return bool(e.driver_trains)
     return (
@@ -706,6 +716,7 @@ def driver_trains(e: EngineConfig, started_ray: bool, workers: int) -> bool:
         and e.device != "cuda"
         and e.round_timeout_s is None
         and workers >= 2
+        and per_round <= DRIVER_TRAINS_MAX_CALLS * e.clients_per_call * workers
     )
 
 

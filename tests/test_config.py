@@ -98,13 +98,16 @@ def test_where_auto_runs_the_server(synthetic_raw, overrides, in_driver):
         (["engine.round_timeout_s=30"], True, 2, False),
         (["engine.driver_trains=true"], False, 1, True),
         (["engine.driver_trains=false"], True, 2, False),
+        # many calls per worker and round: the thread that feeds the actors would fall behind
+        (["engine.clients_per_call=1", "data.num_clients=16"], True, 2, True),  # 8 calls each
+        (["engine.clients_per_call=1", "data.num_clients=18"], True, 2, False),  # 9 calls each
     ],
 )
 def test_where_auto_lets_the_driver_train(synthetic_raw, overrides, started_ray, workers, trains):
-    from rayfl.config import driver_trains
+    from rayfl.config import clients_per_round, driver_trains
 
-    engine = build_config(synthetic_raw, overrides).engine
-    assert driver_trains(engine, started_ray, workers) is trains
+    cfg = build_config(synthetic_raw, overrides)
+    assert driver_trains(cfg.engine, started_ray, workers, clients_per_round(cfg)) is trains
 
 
 @pytest.mark.parametrize(

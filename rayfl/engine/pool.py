@@ -112,7 +112,7 @@ def start_workers(e: EngineConfig, per_round: int, started_ray: bool) -> WorkerP
     """Plan the run's workers and create their actors, without their spec and data (each
     process imports torch meanwhile; `ClientWorker.setup` follows)."""
     num_workers = plan_workers(e, per_round)
-    trains = driver_trains(e, started_ray, num_workers)
+    trains = driver_trains(e, started_ray, num_workers, per_round)
     cls = ray.remote(ClientWorker).options(
         num_cpus=e.worker_resources.num_cpus,
         num_gpus=e.worker_resources.num_gpus,
