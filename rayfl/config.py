@@ -95,7 +95,7 @@ class EngineConfig:
     # actor. Same numbers either way.
     server_in: Literal["auto", "driver", "actor"] = "auto"
     # Whether the driver trains as one of the `num_workers` (a `ClientWorker` in this process
-    # taking batches from the round's queue beside the actors, so one actor fewer starts): `auto`
+    # taking clients from the round's queue beside the actors, so one actor fewer starts): `auto`
     # when the run starts its own local Ray, the server runs in the driver, workers reserve no
     # GPU, rounds have no deadline, there are at least 2 workers and a round makes few calls
     # per worker (`DRIVER_TRAINS_MAX_CALLS`). Same numbers either way.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -57,10 +56,13 @@ class PlotProcess:
             log.warning("no plotting process (%s); the plots are drawn at the end instead", exc)
 
     def send(self, job: Mapping[str, Any]) -> None:
+        """One job, as strict JSON (NaN and inf as null: a missing point of a curve)."""
+        from rayfl.engine.rundir import strict_json
+
         if self._proc is None or self._proc.stdin is None:
             return
         try:
-            self._proc.stdin.write(json.dumps(_strict(job)) + "\n")
+            self._proc.stdin.write(strict_json(job) + "\n")
             self._proc.stdin.flush()
         except (OSError, ValueError):
             self.stop()
@@ -95,18 +97,6 @@ class PlotProcess:
         if proc is not None:
             proc.kill()
             proc.wait()
-
-
-def _strict(value: Any) -> Any:
-    """JSON without NaN or inf (`json.loads` on the other side reads them, but not every
-    reader does): None instead, as a missing point of a curve."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
 
 
 def draw(job: Mapping[str, Any]) -> list[Path]:

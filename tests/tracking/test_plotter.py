@@ -14,6 +14,7 @@ import pytest
 from rayfl.config import build_config
 from rayfl.engine.callbacks import RunDirectory
 from rayfl.engine.loop import Simulation
+from rayfl.engine.rundir import strict_json
 from rayfl.tracking import plotter
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +32,9 @@ def test_the_plotting_process_answers_each_job_and_reports_a_failed_one(tmp_path
             "dataset": "toy",
             "path": str(tmp_path / "l.png"),
         },
-        plotter._strict({"job": "curves", "history": HISTORY, "title": "t", "dir": str(tmp_path)}),
+        json.loads(
+            strict_json({"job": "curves", "history": HISTORY, "title": "t", "dir": str(tmp_path)})
+        ),
         {"job": "sketch"},
     ]
     out = io.StringIO()
