@@ -256,7 +256,8 @@ EXAMPLES = {
   rayfl run experiments/pfedes_fmnist.yaml
   rayfl run experiments/pfedes_fmnist.yaml seed=1 engine.rounds=5 algorithm.alpha=0.3 --out runs/x
   rayfl run experiments/pfedes_fmnist.yaml algorithm.name=local eval.local_baseline=false
-  rayfl run --resume runs/x""",
+  rayfl run --resume runs/x
+  rayfl run experiments/pfedes_fmnist.yaml algorithm.name=ditto --plugin docs/examples/my_algorithm.py""",
     "validate": """examples:
   rayfl validate experiments/pfedes_fmnist.yaml
   rayfl validate experiments/pfedes_fmnist.yaml engine.rounds=5 algorithm.beta=0
@@ -290,6 +291,17 @@ EXAMPLES = {
 OVERRIDES_HELP = "dotted key=value overrides parsed as YAML, e.g. engine.rounds=5"
 
 
+def _plugin_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="a .py file or module that registers algorithms, models or datasets (repeatable; "
+        "see docs/your_algorithm.md)",
+    )
+
+
 def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
     return sub.add_parser(
         name,
@@ -318,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory (default runs/<name>-<algorithm>-s<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _plugin_option(p)
     p.set_defaults(fn=cmd_run)
 
     p = _sub(sub, "validate", "check experiment, suite or sweep files without running them")
@@ -331,10 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="key=value override (same as positional)",
     )
+    _plugin_option(p)
     p.set_defaults(fn=cmd_validate)
 
     p = _sub(sub, "ls", "list algorithms, models, families, datasets, partitioners")
     p.add_argument("name", nargs="?", help="an algorithm or config section to describe")
+    _plugin_option(p)
     p.set_defaults(fn=cmd_ls)
 
     p = _sub(
@@ -373,12 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep each finished run's checkpoint (default: removed once the run finished)",
     )
+    _plugin_option(p)
     p.set_defaults(fn=cmd_compare)
 
     p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow")
     p.add_argument("sweep")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--out", help="output directory")
+    _plugin_option(p)
     p.set_defaults(fn=cmd_tune)
 
     p = _sub(sub, "report", "one self-contained HTML page for a run, a suite or a sweep folder")
@@ -403,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        from rayfl import plugins
+
+        plugins.add(getattr(args, "plugin", None))
         return int(args.fn(args) or 0)
     except UserError as exc:
         print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)

@@ -487,7 +487,9 @@ def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {path} cannot be read ({exc}); check the file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return raw
+    from rayfl import plugins
+
+    return plugins.absolute(raw, path.parent)  # `plugins:` paths are relative to the file
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -550,8 +552,11 @@ def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
 
 def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:
     """Validated `RunConfig` from a nested dict plus dotted overrides."""
+    from rayfl import plugins
+
     file_algorithm = dict(raw.get("algorithm") or {}) if isinstance(raw, Mapping) else {}
-    merged = apply_overrides(dict(raw), overrides)
+    # `plugins:` (rayfl.plugins) register names the rest of the config may use
+    merged = plugins.take(apply_overrides(dict(raw), overrides))
     renamed = any(o.split("=", 1)[0].strip() == "algorithm.name" for o in overrides)
     if renamed and file_algorithm:
         # The file's keys for the old algorithm are dropped; the command line's stay strict.

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import RunConfig, build_config, ray_preview, read_yaml
+from rayfl import plugins
+from rayfl.config import RunConfig, apply_overrides, build_config, ray_preview, read_yaml
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -27,6 +28,8 @@ def load_for_run(path: str | Path, overrides: Sequence[str] = ()) -> tuple[RunCo
     `rayfl.engine.startup.EarlyRay` (None when not on Ray), for `simulate(..., early=...)`.
     A config error stops it at once (its processes killed) and is raised."""
     raw = read_yaml(path)
+    # named before Ray starts: its workers import them (rayfl.plugins.runtime_env)
+    plugins.take(apply_overrides(raw, overrides))
     early = None
     preview = ray_preview(raw, overrides)
     if preview is not None:

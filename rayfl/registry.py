@@ -1,13 +1,15 @@
 """Named builders: algorithms, models, families, datasets, partitioners.
 
 Every concept users pick by name in a config lives in one of these registries, so
-`rayfl ls` can list it and a misspelt name fails with a suggestion.
+`rayfl ls` can list it and a misspelt name fails with a suggestion. A user's own entries come
+from plugins (`rayfl.plugins`), registered the same way after the built-ins.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rayfl.errors import ConfigError, suggest
@@ -27,18 +29,38 @@ _BUILTIN_MODULES = (
 )
 
 
+# Who is registering now: "built-in", or the plugin being imported (`source`).
+_source = "built-in"
+
+
+@contextmanager
+def source(label: str) -> Iterator[None]:
+    """Entries registered inside the block come from `label` (named when two clash)."""
+    global _source
+    previous, _source = _source, label
+    try:
+        yield
+    finally:
+        _source = previous
+
+
 class Registry(Generic[T]):
     """A name -> object mapping with a decorator to fill it."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self._sources: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+                raise ConfigError(
+                    f"{self.kind} {name!r} is already registered ({self._sources[name]}); "
+                    "register yours under another name"
+                )
             self._entries[name] = obj
+            self._sources[name] = _source
             return obj
 
         return decorator
@@ -53,7 +75,8 @@ class Registry(Generic[T]):
             where = f"{key}: " if key else ""
             raise ConfigError(
                 f"{where}unknown {self.kind} {name!r}{suggest(name, self._entries)}; "
-                f"choose one of {', '.join(sorted(self._entries))}"
+                f"choose one of {', '.join(sorted(self._entries))} "
+                "(or load yours with --plugin FILE)"
             )
         return self._entries[name]
 
@@ -77,13 +100,20 @@ DATASETS: Registry[Any] = Registry("dataset")
 PARTITIONERS: Registry[Any] = Registry("partitioner")
 
 _loaded = False
+_builtins_done = False
 
 
 def load_builtins() -> None:
-    """Import the modules that register rayfl's built-in entries (once)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import the modules that register rayfl's built-in entries and the installed entry points
+    (once), then the plugins named since the last call (`rayfl.plugins`)."""
+    global _loaded, _builtins_done
+    from rayfl import plugins
+
+    if not _loaded:
+        _loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+        plugins.load_entry_points()
+        _builtins_done = True
+    if _builtins_done:  # not while a built-in module's import looks an entry up
+        plugins.load_pending()

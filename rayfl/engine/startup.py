@@ -439,6 +439,8 @@ def init_ray(
     """
     import ray
 
+    from rayfl.plugins import runtime_env
+
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {
@@ -446,6 +448,8 @@ def init_ray(
         "log_to_driver": True,
         "configure_logging": False,
     }
+    if runtime_env():  # every worker imports the user's plugins first (rayfl.plugins)
+        kwargs["runtime_env"] = runtime_env()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
     notes = [] if main_thread else ["not the main thread"]  # `finish` restores the handler

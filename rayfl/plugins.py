@@ -1,0 +1,222 @@
+"""Plugins: a user's algorithms, models and datasets, registered like the built-ins.
+
+A plugin is a Python module whose import registers entries in `rayfl.registry` (exactly what
+`rayfl/algorithms/fedprox.py` does for FedProx). Three ways to name one:
+
+- `--plugin my_algos.py` on `rayfl run | validate | ls | compare | tune` (repeatable), or
+  `rayfl.run(..., plugins=[...])`: a `.py` file (relative to the current directory) or an
+  importable module name (`mypkg.algos`);
+- `plugins: [my_algos.py]` in an experiment file (relative to that file), also as a suite's
+  `base_file` or a sweep's `base`;
+- the entry point groups `rayfl.algorithms`, `rayfl.models` and `rayfl.datasets` of an
+  installed package: the entry point names a module (imported; it registers itself) or an
+  object (registered in its group's registry under the entry point's name).
+
+Built-ins load first, then entry points, then the named plugins, each file once, so a name that
+clashes with a built-in fails at its registration with one line. A file plugin is imported as a
+module named after the file (`my_algos`), so its classes pickle by reference and every Ray
+worker of the run imports the same files first: `runtime_env` (`init_ray` passes it to
+`ray.init`) sets Ray's `worker_process_setup_hook` to `setup_worker`, which imports them as the
+worker process starts, before any task or actor of the run. On a multi-node cluster the file
+must exist at the same path on every node (or be an installed package).
+
+Plugins named in a run directory's `config.yaml` are never imported from there (a run
+directory is untrusted input): `rayfl run --resume DIR --plugin my_algos.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rayfl.errors import ConfigError, UserError
+from rayfl.registry import ALGORITHMS, DATASETS, MODELS, Registry, load_builtins, source
+
+ENV = "RAYFL_PLUGINS"  # the plugins a Ray worker imports (JSON list), set through runtime_env
+KEY = "plugins"  # the experiment file's key
+GROUPS: dict[str, Registry[Any]] = {
+    "rayfl.algorithms": ALGORITHMS,
+    "rayfl.models": MODELS,
+    "rayfl.datasets": DATASETS,
+}
+
+# Every plugin named in this process, in order: resolved spec -> imported yet.
+_plugins: dict[str, bool] = {}
+_entry_points_loaded = False
+
+
+def resolve(spec: Any, base: Path | None = None) -> str:
+    """The canonical form of one plugin: an absolute `.py` path (relative ones are taken from
+    `base`, default the current directory) or a dotted module name.
+
+    Raises:
+        ConfigError: `spec` is not a string, or names a file that does not exist.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"plugin {spec!r}: name a .py file or an importable module")
+    spec = spec.strip()
+    if not _is_file_spec(spec):
+        return spec
+    path = Path(spec).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"plugin {spec}: file {path} not found; check the path")
+    return str(path)
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec or "/" in spec
+
+
+def add(specs: str | Sequence[str] | None, base: Path | None = None) -> list[str]:
+    """Name plugins for this process (imported at the next registry lookup); returns them
+    resolved. Naming one twice is harmless."""
+    if specs is None:
+        return []
+    if isinstance(specs, str):
+        specs = [specs]
+    if not isinstance(specs, Sequence):
+        raise ConfigError(f"{KEY}: expected a list of .py files or module names, got {specs!r}")
+    resolved = [resolve(s, base) for s in specs]
+    for spec in resolved:
+        _plugins.setdefault(spec, False)
+    return resolved
+
+
+def take(raw: Mapping[str, Any], base: Path | None = None) -> dict[str, Any]:
+    """`raw` without its `plugins` key, whose plugins are named for this process (`add`)."""
+    rest = dict(raw)
+    add(rest.pop(KEY, None), base)
+    return rest
+
+
+def absolute(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A file's `plugins` entries resolved against the file's folder `base` (in place)."""
+    if isinstance(raw.get(KEY), list | str):
+        specs = [raw[KEY]] if isinstance(raw[KEY], str) else raw[KEY]
+        raw[KEY] = [resolve(s, base) for s in specs]
+    return raw
+
+
+def active() -> list[str]:
+    """Every plugin named in this process (resolved), in order."""
+    return list(_plugins)
+
+
+def load_pending() -> None:
+    """Import every named plugin not imported yet (after the built-ins: see the module doc)."""
+    for spec, done in list(_plugins.items()):
+        if not done:
+            _plugins[spec] = True  # before the import: a lookup inside it must not recurse
+            try:
+                _import(spec)
+            except BaseException:
+                _plugins[spec] = False
+                raise
+
+
+def _import(spec: str) -> None:
+    with source(f"plugin {spec}"):
+        try:
+            if _is_file_spec(spec):
+                _import_file(Path(spec))
+            else:
+                importlib.import_module(spec)
+        except UserError as exc:
+            raise UserError(f"plugin {spec}: {exc}") from None
+        except ModuleNotFoundError as exc:
+            if exc.name and (spec == exc.name or spec.startswith(f"{exc.name}.")):
+                raise UserError(
+                    f"plugin {spec}: no module named {spec!r}; pass a .py file or an importable module"
+                ) from None
+            raise UserError(f"plugin {spec} failed to import: {_where(exc, spec)}") from None
+        except Exception as exc:
+            raise UserError(f"plugin {spec} failed to import: {_where(exc, spec)}") from None
+
+
+def _import_file(path: Path) -> None:
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+            return
+        raise UserError(
+            f"a module named {name!r} is already imported (from {getattr(loaded, '__file__', '?')}); "
+            "rename the plugin file"
+        )
+    if not name.isidentifier():
+        raise UserError(f"{path.name} is not a valid module name; rename it (e.g. my_algos.py)")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"{path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # under its name: its classes pickle by reference
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+def _where(exc: BaseException, spec: str) -> str:
+    """`Type: message (file:line: code)`, at the deepest frame in the plugin's own file."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError: {exc.msg} ({exc.filename}:{exc.lineno})"
+    message = str(exc).strip()
+    text = f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if f.filename == spec] or [
+        f for f in frames if "importlib" not in f.filename
+    ]
+    if own:
+        frame = own[-1]
+        return f"{text} ({frame.filename}:{frame.lineno}: {(frame.line or '').strip()})"
+    return text
+
+
+def load_entry_points() -> None:
+    """Import the `rayfl.algorithms` / `rayfl.models` / `rayfl.datasets` entry points (once)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for group, registry in GROUPS.items():
+        for ep in metadata.entry_points(group=group):
+            package = ep.dist.name if ep.dist is not None else "?"
+            label = f"entry point {ep.name} = {ep.value} ({group}, package {package})"
+            with source(label):
+                try:
+                    obj = ep.load()
+                except UserError as exc:
+                    raise UserError(f"{label}: {exc}") from None
+                except Exception as exc:
+                    raise UserError(f"{label} failed to import: {_where(exc, '')}") from None
+                if not isinstance(obj, type(sys)):  # an object, not a module: register it
+                    registry.add(ep.name, obj)
+
+
+def runtime_env() -> dict[str, Any]:
+    """`ray.init`'s `runtime_env` that makes every worker import this process's plugins ({}
+    when there are none)."""
+    if not _plugins:
+        return {}
+    return {
+        "worker_process_setup_hook": f"{__name__}.setup_worker",
+        "env_vars": {ENV: json.dumps(active())},
+    }
+
+
+def setup_worker() -> None:
+    """Ray's `worker_process_setup_hook`: import the driver's plugins in this worker process."""
+    add(json.loads(os.environ.get(ENV, "[]")))
+    load_builtins()
