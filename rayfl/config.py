@@ -136,7 +136,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What personalized accuracy measures (README, "Metrics"), and what else the engine scores.
+    """What personalized accuracy measures (docs/engine.md, "Metrics"), and what else the engine scores.
 
     `deployed` (the field's protocol: HtFLlib, PFLlib, FL-bench): every `engine.eval_every`
     rounds, after the server step, every client (participant or not, with its last state; a
