@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
         path, overrides = Path(args.config), list(args.overrides)
-    cfg, early = load_for_run(path, overrides)
+    cfg, early = load_for_run(path, overrides, resume=bool(args.resume))
     if not args.resume:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()

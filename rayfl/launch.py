@@ -14,6 +14,7 @@ from typing import Any
 
 from rayfl import plugins
 from rayfl.config import RunConfig, apply_overrides, build_config, ray_preview, read_yaml
+from rayfl.errors import UserError
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -21,13 +22,20 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{stamp}"
 
 
-def load_for_run(path: str | Path, overrides: Sequence[str] = ()) -> tuple[RunConfig, Any]:
+def load_for_run(
+    path: str | Path, overrides: Sequence[str] = (), resume: bool = False
+) -> tuple[RunConfig, Any]:
     """Read and check a run's config for a process that runs it and then exits (`rayfl run`,
     a benchmark's variant). For a run on Ray, Ray starts first, in a thread, so that its start
     overlaps the check (which imports torch, ~3 s): returns the config and that
     `rayfl.engine.startup.EarlyRay` (None when not on Ray), for `simulate(..., early=...)`.
-    A config error stops it at once (its processes killed) and is raised."""
+    A config error stops it at once (its processes killed) and is raised. `resume`: `path` is a
+    run directory's config.yaml, which is untrusted: it may not name plugins to import."""
     raw = read_yaml(path)
+    if resume and plugins.KEY in raw:
+        raise UserError(
+            f"{path}: a run directory does not name plugins to import; pass them with --plugin"
+        )
     # named before Ray starts: its workers import them (rayfl.plugins.runtime_env)
     plugins.take(apply_overrides(raw, overrides))
     early = None

@@ -238,3 +238,28 @@ def test_tune_sweeps_a_plugin_algorithm(tmp_path):
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     assert sorted(r["algorithm.smoothing"] for r in rows) == [0.0, 0.2]
     assert all(r["status"] == "done" and r["rounds"] == 1 for r in rows), rows
+
+
+def test_resume_takes_plugins_from_the_command_line_only(tmp_path):
+    write_plugin(tmp_path)
+    exp = write_experiment(tmp_path)
+    first = ["run", str(exp), "engine.rounds=1", "engine.checkpoint_every=1", "--out", "r"]
+    proc = rayfl([*first, "--plugin", "lib/my_algos.py", "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    proc = rayfl(["run", "--resume", "r", "engine.rounds=2", "--no-progress"], tmp_path)
+    assert proc.returncode == 2 and "unknown algorithm 'my_local'" in proc.stderr
+
+    resume = ["run", "--resume", "r", "engine.rounds=2", "--plugin", "lib/my_algos.py"]
+    proc = rayfl([*resume, "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert pq.read_table(tmp_path / "r" / "metrics.parquet").num_rows == 2
+
+    # a run directory is untrusted: a plugins key written into its config.yaml is never imported
+    marker = tmp_path / "imported_by"
+    config = tmp_path / "r" / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "plugins": [str(tmp_path / "lib" / "my_algos.py")]}))
+    proc = rayfl(["run", "--resume", "r", "engine.rounds=3", "--no-progress"], tmp_path, marker)
+    assert proc.returncode == 2 and "does not name plugins" in proc.stderr
+    assert list(marker.iterdir()) == []
