@@ -214,6 +214,36 @@ def _ray_prepare(config: dict[str, Any]) -> dict[str, Any]:
     return prepared
 
 
+# Keys only a Ray cluster launcher file has at its top level (a run config has none of them).
+CLUSTER_KEYS = ("cluster_name", "provider", "available_node_types", "head_node_type")
+
+
+def is_cluster_file(raw: Any) -> bool:
+    """True when a loaded YAML mapping is a Ray cluster launcher config, not a rayfl file: it
+    has `provider` or `cluster_name` and none of a run's sections (`algorithm`, `data`)."""
+    return (
+        isinstance(raw, dict)
+        and any(k in raw for k in CLUSTER_KEYS[:2])
+        and not any(k in raw for k in ("algorithm", "data", "suite", "sweep", "bench"))
+    )
+
+
+def describe_cluster(config: dict[str, Any]) -> str:
+    """One line about a prepared cluster config: name, provider, head and worker node types."""
+    node_types = config.get("available_node_types") or {}
+    head = config.get("head_node_type", "?")
+    workers = [
+        f"{name} ({spec.get('min_workers', 0)}-{spec.get('max_workers', 0)})"
+        for name, spec in node_types.items()
+        if name != head and isinstance(spec, dict)
+    ]
+    provider = (config.get("provider") or {}).get("type", "?")
+    return (
+        f"Ray cluster {config.get('cluster_name', '?')!r} on {provider}: head {head}, "
+        f"workers {', '.join(workers) or 'none'}"
+    )
+
+
 def validate_cluster_config(path: str | Path) -> dict[str, Any]:
     """Validate a Ray cluster launcher YAML offline and return Ray's prepared config.
 

@@ -196,11 +196,21 @@ def run_report(run_dir: Path) -> str:
 
 
 def suite_report(out_dir: Path) -> str:
-    from rayfl.compare import ARCH_PREFIX, PERSONAL, arch_rows, mean_col, mean_curves, table_rows
+    from rayfl.compare import (
+        ARCH_PREFIX,
+        PERSONAL,
+        aggregate,
+        arch_rows,
+        mean_col,
+        mean_curves,
+        table_rows,
+    )
     from rayfl.tracking.plots import plot_compare
 
-    results = _read_parquet(out_dir / "results.parquet")
     runs = _read_parquet(out_dir / "runs.parquet")
+    finished = (out_dir / "results.parquet").exists()
+    # a suite still running or interrupted has no results yet: aggregate the runs done so far
+    results = _read_parquet(out_dir / "results.parquet") if finished else aggregate(runs)
     sections: list[tuple[str, str]] = []
     for setting in dict.fromkeys(r["setting"] for r in results):
         rows = [r for r in results if r["setting"] == setting]
@@ -252,7 +262,13 @@ def suite_report(out_dir: Path) -> str:
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))
     table_txt = out_dir / "table.txt"
-    first = table_txt.read_text().splitlines()[0] if table_txt.exists() else ""
+    if finished and table_txt.exists():
+        first = table_txt.read_text().splitlines()[0]
+    else:
+        first = (
+            f"not finished (interrupted or still running): {len(runs)} runs done so far; rerun "
+            "its rayfl compare command with the same --out to complete it"
+        )
     return page(f"Suite {out_dir.name}", first, sections)
 
 
@@ -308,13 +324,13 @@ def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
     if (path / "summary.json").exists():
         return "run"
-    if (path / "results.parquet").exists() and (path / "runs.parquet").exists():
-        return "suite"
+    if (path / "runs.parquet").exists() or (path / "suite.yaml").exists():
+        return "suite"  # finished, or partly: runs.parquet grows as runs finish
     if (path / "results.parquet").exists() and (path / "sweep.yaml").exists():
         return "sweep"
     raise UserError(
         f"rayfl report {path}: not a run directory (summary.json), a suite folder "
-        "(results.parquet + runs.parquet) or a sweep folder (results.parquet + sweep.yaml); "
+        "(suite.yaml, runs.parquet) or a sweep folder (results.parquet + sweep.yaml); "
         "pass a folder written by rayfl run --out, rayfl compare or rayfl tune"
     )
 

@@ -31,7 +31,8 @@ serially, per its `engine.executor`); with more, each run is a Ray task inside i
 group (a driver bundle plus one bundle per worker, which also holds the run's worker and server
 actors), so runs on a cluster never hold half of what they need. Each run is an MLflow child run
 under one parent run. Rerunning the same command with the same `--out` resumes: finished runs are
-skipped, unfinished ones continue from their checkpoints; a failed run is recorded (status FAILED
+skipped, unfinished ones continue from their checkpoints (and their own MLflow runs), all under
+the same parent run (its id is kept in `<out>/mlflow_run.json`); a failed run is recorded (status FAILED
 and its error) and the others go on. Checkpoints are removed once a run finished, unless
 `--keep-checkpoints`. The output folder holds every run's directory, `runs.csv|parquet` (one row
 per run), `results.csv|parquet` (`<metric> [mean]` and `<metric> [std]` over seeds of every final
@@ -40,7 +41,14 @@ metric), learning-curve plots and `table.txt` (what `run_suite` returns).
 The package: `suite` loads a suite file, `execute` runs it, `results` aggregates and tables it.
 """
 
-from rayfl.compare.execute import execute_run, preflight, run_bundles, run_dir_of, run_suite
+from rayfl.compare.execute import (
+    SuiteInterrupted,
+    execute_run,
+    preflight,
+    run_bundles,
+    run_dir_of,
+    run_suite,
+)
 from rayfl.compare.results import (
     ARCH_PREFIX,
     GAIN,
@@ -61,6 +69,7 @@ __all__ = [
     "GAIN",
     "PERSONAL",
     "Suite",
+    "SuiteInterrupted",
     "SuiteRun",
     "aggregate",
     "arch_rows",

@@ -25,7 +25,9 @@ from rayfl.compare.results import (
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
 from rayfl.config import RunConfig
-from rayfl.errors import ConfigError
+from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
+from rayfl.errors import ConfigError, UserError
+from rayfl.locking import FileLock
 from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,12 @@ def finished_row(
     old = previous.get(str(run_dir))
     if old is not None and old.get("status") == "FINISHED":
         return dict(old), history
+    ref = read_mlflow_run(run_dir)
     result = SimpleNamespace(
-        final=summary.get("final", {}), history=history, status="FINISHED", tracker_run_id=None
+        final=summary.get("final", {}),
+        history=history,
+        status="FINISHED",
+        tracker_run_id=ref["run_id"] if ref else None,
     )
     return _final_row(run, result, float(summary.get("wall_s", 0.0)), run_dir), history
 
@@ -122,6 +128,18 @@ def remove_checkpoints(run_dir: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def discard_partial_child(run_dir: Path) -> None:
+    """Before a run starts again from round 1 (its earlier attempt left no checkpoint): delete the
+    MLflow run that attempt opened, so that the suite's parent keeps one child per run."""
+    ref = read_mlflow_run(run_dir)
+    if ref is None:
+        return
+    from rayfl.tracking.mlflow import delete_run
+
+    delete_run(ref["run_id"], ref.get("tracking_uri") or None)
+    (run_dir / MLFLOW_RUN).unlink(missing_ok=True)
+
+
 def execute_run(
     run: SuiteRun, run_dir: Path, parent_id: str | None, keep_checkpoints: bool
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:
@@ -130,6 +148,8 @@ def execute_run(
     from rayfl.launch import simulate
 
     resume = (run_dir / "checkpoint").exists()
+    if not resume:
+        discard_partial_child(run_dir)
     start = time.perf_counter()
     try:
         result = simulate(
@@ -221,6 +241,15 @@ def _execute_parallel(
         done(index, row, history)
 
 
+class SuiteInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a suite: `out_dir` is the folder that the same command with
+    `--out out_dir` resumes."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__(str(out_dir))
+        self.out_dir = out_dir
+
+
 def run_suite(
     path: str | Path,
     overrides: Sequence[str] = (),
@@ -232,8 +261,11 @@ def run_suite(
 
     Runs go `parallel` at a time (suite key or `parallel=N` override; default one after another).
     Rerunning the same command on the same `out` resumes: runs whose directory holds a FINISHED
-    `summary.json` are skipped, unfinished ones continue from their checkpoints. A run that fails
-    is recorded (status FAILED, its error) and the suite goes on.
+    `summary.json` are skipped, unfinished ones continue from their checkpoints, each in its own
+    MLflow run, and all under the parent run of the first attempt (its id is kept in
+    `<out>/mlflow_run.json`). An interrupted suite ends its parent and its unfinished children
+    KILLED; a run that restarts from round 1 (it left no checkpoint) replaces its partial MLflow
+    run. A run that fails is recorded (status FAILED, its error) and the suite goes on.
 
     Args:
         path: the suite YAML.
@@ -244,32 +276,56 @@ def run_suite(
 
     Returns:
         The comparison table (also written to `<out>/table.txt`).
+
+    Raises:
+        SuiteInterrupted: Ctrl-C or SIGTERM; finished runs and checkpoints are kept in `out`.
+        UserError: another `rayfl compare` is running in `out`.
     """
-    from tqdm.auto import tqdm
-
-    from rayfl.tracking import make_tracker
-    from rayfl.tracking.plots import plot_compare
-
     suite = load_suite(path, overrides)
     preflight(suite)
     out_dir = (
         Path(out) if out else Path("runs") / f"suite-{suite.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "suite.yaml").write_text(Path(path).read_text())
-    previous = {}
-    if (out_dir / "runs.parquet").exists():
-        import pyarrow.parquet as pq
+    lock = FileLock(out_dir / ".lock")
+    if not lock.try_acquire():
+        raise UserError(
+            f"suite folder {out_dir} is in use by another rayfl compare (pid {lock.owner()}); "
+            "wait for it to finish or choose another --out"
+        )
+    try:
+        return _run_locked(suite, Path(path), overrides, out_dir, progress, keep_checkpoints)
+    except KeyboardInterrupt:
+        raise SuiteInterrupted(out_dir) from None
+    finally:
+        lock.release()
 
-        previous = {r["run_dir"]: r for r in pq.read_table(out_dir / "runs.parquet").to_pylist()}
+
+def _parent_tracker(suite: Suite, path: Path, overrides: Sequence[str], out_dir: Path) -> Any:
+    """The suite's MLflow parent run: the one recorded in `out_dir` (a resume), else a new one,
+    recorded there. Children left RUNNING by a killed earlier attempt end KILLED (this process
+    holds the folder's lock, so none of them is still running)."""
+    from rayfl.tracking import make_tracker
+
     first = suite.runs[0].config.tracking
+    mlflow = first.backend == "mlflow"
+    previous = read_mlflow_run(out_dir) if mlflow else None
     parent = make_tracker(
         first.backend,
         experiment=first.experiment,
         run_name=f"suite-{suite.name}",
         tracking_uri=first.uri,
         tags={"rayfl.suite": suite.name},
+        run_id=previous["run_id"] if previous else None,
     )
+    parent_id = getattr(parent, "run_id", None)
+    if mlflow and parent_id:
+        uri = getattr(parent, "tracking_uri", "") or ""
+        write_mlflow_run(out_dir, parent_id, uri)
+        if previous is not None and previous["run_id"] == parent_id:
+            from rayfl.tracking.mlflow import end_child_runs
+
+            end_child_runs(parent_id, uri or None, "KILLED")
     parent.log_config(
         {
             "suite": suite.name,
@@ -283,6 +339,39 @@ def run_suite(
             "parallel": suite.parallel,
         }
     )
+    return parent
+
+
+def _end_parent(parent: Any, status: str) -> None:
+    """End the parent run and any child still RUNNING (a parallel run's task that was stopped
+    never closes its own run) with `status`."""
+    parent_id = getattr(parent, "run_id", None)
+    if parent_id and hasattr(parent, "tracking_uri"):
+        from rayfl.tracking.mlflow import end_child_runs
+
+        end_child_runs(parent_id, parent.tracking_uri, status)
+    parent.close(status)
+
+
+def _run_locked(
+    suite: Suite,
+    path: Path,
+    overrides: Sequence[str],
+    out_dir: Path,
+    progress: bool,
+    keep_checkpoints: bool,
+) -> str:
+    from tqdm.auto import tqdm
+
+    from rayfl.tracking.plots import plot_compare
+
+    (out_dir / "suite.yaml").write_text(path.read_text())
+    previous = {}
+    if (out_dir / "runs.parquet").exists():
+        import pyarrow.parquet as pq
+
+        previous = {r["run_dir"]: r for r in pq.read_table(out_dir / "runs.parquet").to_pylist()}
+    parent = _parent_tracker(suite, path, overrides, out_dir)
     parent_id = getattr(parent, "run_id", None)
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
     todo: list[tuple[int, SuiteRun, Path]] = []
@@ -325,7 +414,7 @@ def run_suite(
                 bar.set_postfix_str(run_name(run.setting, run.label, run.seed))
                 done(index, *execute_run(run, run_dir, parent_id, keep_checkpoints))
     except BaseException as exc:
-        parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        _end_parent(parent, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         bar.close()
