@@ -68,6 +68,25 @@ def test_report_renders_a_partly_finished_suite(partial_suite, capsys):
     page = (partial_suite / "report.html").read_text()
     assert "not finished" in page and "2 runs done so far" in page
     assert ">local<" in page and "a05" in page
+    assert 'href="a05/local/seed0"' in page and 'href="a05/local/seed1"' in page
+    assert "mean ± std over seeds (band)" in page  # two seeds of local finished
+
+
+def test_suite_page_figures_fit_the_page_column_unscaled(partial_suite):
+    import base64
+    import io
+    import re
+
+    import matplotlib.image as mpimg
+
+    from rayfl.report import write_report
+
+    page = write_report(partial_suite).read_text()
+    figures = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(figures) == 2  # accuracy per architecture, curves
+    for data in figures:
+        width = mpimg.imread(io.BytesIO(base64.b64decode(data))).shape[1]
+        assert width <= 1080  # the CSS column is 1100 px: shown 1:1 in a 1400 px window
 
 
 def test_ls_runs_lists_the_runs_inside_a_suite_folder(partial_suite, capsys):

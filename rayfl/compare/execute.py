@@ -19,9 +19,9 @@ from rayfl.compare.results import (
     PERSONAL,
     _final_row,
     aggregate,
+    curves_and_spread,
     format_results,
     mean_col,
-    mean_curves,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
 from rayfl.config import RunConfig
@@ -433,10 +433,9 @@ def _run_locked(
         results, out_dir / "results", csv=True
     )
     for setting, by_label in histories.items():
+        means, spread = curves_and_spread(by_label, PERSONAL)
         name = f"curves_personal_acc{'_' + setting if setting else ''}.png"
-        artifacts.append(
-            plot_compare(mean_curves(by_label, PERSONAL), out_dir / name, ylabel=PERSONAL)
-        )
+        artifacts.append(plot_compare(means, out_dir / name, ylabel=PERSONAL, spread=spread))
     failed = [r for r in rows if r["status"] != "FINISHED"]
     table = format_results(suite, results, time.perf_counter() - start, failed)
     (out_dir / "table.txt").write_text(table + "\n")

@@ -96,11 +96,12 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def mean_curves(
+def seed_curves(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
-) -> dict[str, list[tuple[int, float]]]:
-    """Per label, the mean over seeds of `key` at each round where any seed has it."""
-    curves: dict[str, list[tuple[int, float]]] = {}
+) -> dict[str, list[tuple[int, float, float | None]]]:
+    """Per label, `(round, mean, std)` over seeds of `key` at each round where any seed has it
+    (sample std, ddof=1; None where only one seed has the round)."""
+    curves: dict[str, list[tuple[int, float, float | None]]] = {}
     for label, runs in histories.items():
         by_round: dict[int, list[float]] = defaultdict(list)
         for history in runs:
@@ -108,8 +109,37 @@ def mean_curves(
                 value = row.get(key)
                 if value is not None and math.isfinite(value):
                     by_round[int(row["round"])].append(float(value))
-        curves[label] = [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]
+        curves[label] = [
+            (r, float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else None)
+            for r, v in sorted(by_round.items())
+        ]
     return curves
+
+
+def mean_curves(
+    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
+) -> dict[str, list[tuple[int, float]]]:
+    """Per label, the mean over seeds of `key` at each round where any seed has it."""
+    return curves_and_spread(histories, key)[0]
+
+
+def curves_and_spread(
+    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
+) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[tuple[int, float]]]]:
+    """`(means, stds)` per label and round: what `plot_compare(means, ..., spread=stds)` draws."""
+    curves = seed_curves(histories, key)
+    means = {label: [(r, mean) for r, mean, _ in points] for label, points in curves.items()}
+    return means, spread_of(curves)
+
+
+def spread_of(
+    curves: Mapping[str, Sequence[tuple[int, float, float | None]]],
+) -> dict[str, list[tuple[int, float]]]:
+    """The `(round, std)` points of `seed_curves`, for the band drawn around each mean."""
+    return {
+        label: [(r, std) for r, _, std in points if std is not None]
+        for label, points in curves.items()
+    }
 
 
 def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
@@ -152,7 +182,8 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
     header += ["server model acc", "MB/round up+down", "wall s/run", "runs"]
     body = []
     for agg in results:
-        server = ", ".join(f"{k.split('/')[0]} {_pm(agg, k)}" for k in server_acc_keys(agg)) or "-"
+        measured = [k for k in server_acc_keys(agg) if agg.get(mean_col(k)) is not None]
+        server = ", ".join(f"{k.split('/')[0]} {_pm(agg, k)}" for k in measured) or "-"
         runs = f"{agg['seeds']}" + (f" ({agg['failed']} FAILED)" if agg.get("failed") else "")
         body.append(
             [
