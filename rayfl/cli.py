@@ -93,6 +93,14 @@ def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]
 # ------------------------------------------------------------------------------------ commands
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) with the command line that resumes what was interrupted."""
+
+    def __init__(self, resume_hint: str) -> None:
+        super().__init__(resume_hint)
+        self.resume_hint = resume_hint
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
@@ -115,13 +123,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
         path, overrides = Path(args.config), list(args.overrides)
+        refuse_other_kinds(path)
     cfg, early = load_for_run(path, overrides, resume=bool(args.resume))
     if not args.resume:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
-    result = simulate(
-        cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume), early=early
-    )
+    try:
+        result = simulate(
+            cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume), early=early
+        )
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"the run directory keeps its last checkpoint; resume with: "
+            f"{shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
+        ) from None
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
     rejected, replies = rejected_replies(result.history)
@@ -150,6 +165,30 @@ def cmd_ls_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+# the file kinds that are not one run, by their top-level key: (what it is, the command to use)
+OTHER_KINDS = {
+    "suite": ("a comparison suite (algorithms x seeds)", "rayfl compare"),
+    "sweep": ("a hyperparameter sweep", "rayfl tune"),
+    "bench": ("a benchmark", "rayfl bench"),
+}
+
+
+def refuse_other_kinds(path: Path) -> None:
+    """`rayfl run` on a suite, sweep or benchmark file: one line naming the command to use."""
+    from rayfl.clusterconfig import is_cluster_file
+    from rayfl.config import read_yaml
+
+    raw = read_yaml(path)
+    for key, (what, command) in OTHER_KINDS.items():
+        if key in raw:
+            raise UserError(f"{path} is {what}, not one run; run it with: {command} {path}")
+    if is_cluster_file(raw):
+        raise UserError(
+            f"{path} is a Ray cluster launcher file, not a run; start the cluster with "
+            f"ray up {path}, then run experiments with engine.address=auto"
+        )
+
+
 def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """Positional arguments -> (files, key=value overrides): an argument with `=` that is not an
     existing file is an override."""
@@ -171,10 +210,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
-    """Validate a run, suite or sweep file; return a one-line description."""
+    """Validate a run, suite, sweep, benchmark or Ray cluster launcher file; return a one-line
+    description."""
     from rayfl.config import read_yaml
 
     raw = read_yaml(path)
+    from rayfl.clusterconfig import describe_cluster, is_cluster_file, validate_cluster_config
+
+    if is_cluster_file(raw):
+        return describe_cluster(validate_cluster_config(path))
     if "bench" in raw:
         from rayfl.bench import load_bench
 
@@ -229,11 +273,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from rayfl.compare import run_suite
+    from rayfl.compare import SuiteInterrupted, run_suite
 
-    print(
-        run_suite(args.suite, args.overrides, out=args.out, keep_checkpoints=args.keep_checkpoints)
-    )
+    try:
+        table = run_suite(
+            args.suite, args.overrides, out=args.out, keep_checkpoints=args.keep_checkpoints
+        )
+    except SuiteInterrupted as exc:
+        again = ["rayfl", "compare", args.suite, *args.overrides, "--out", str(exc.out_dir)]
+        if args.keep_checkpoints:
+            again.append("--keep-checkpoints")
+        raise Interrupted(
+            f"finished runs and checkpoints are kept in {exc.out_dir}; resume with: "
+            f"{shlex.join(again)}"
+        ) from None
+    print(table)
     return 0
 
 
@@ -333,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     _plugin_option(p)
     p.set_defaults(fn=cmd_run)
 
-    p = _sub(sub, "validate", "check experiment, suite or sweep files without running them")
+    p = _sub(
+        sub, "validate", "check experiment, suite, sweep or Ray cluster files without running them"
+    )
     p.add_argument(
         "configs", nargs="+", metavar="FILE_OR_OVERRIDE", help="files, then " + OVERRIDES_HELP
     )
@@ -427,11 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            "rayfl: interrupted; the run directory keeps the last checkpoint (rayfl run --resume DIR)",
-            file=sys.stderr,
+    except KeyboardInterrupt as exc:
+        hint = (
+            exc.resume_hint if isinstance(exc, Interrupted) else "the run keeps its last checkpoint"
         )
+        print(f"rayfl: interrupted; {hint}", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

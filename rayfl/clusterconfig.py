@@ -27,7 +27,7 @@ import copy
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,66 @@ def _ray_prepare(config: dict[str, Any]) -> dict[str, Any]:
         message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
         raise ConfigError(f"{where}{message}") from exc
     return prepared
+
+
+# Keys only a Ray cluster launcher file has at its top level (a run config has none of them).
+CLUSTER_KEYS = ("cluster_name", "provider", "available_node_types", "head_node_type")
+
+
+def is_cluster_file(raw: Any) -> bool:
+    """True when a loaded YAML mapping is a Ray cluster launcher config, not a rayfl file: it
+    has `provider` or `cluster_name` and none of a run's sections (`algorithm`, `data`)."""
+    return (
+        isinstance(raw, dict)
+        and any(k in raw for k in CLUSTER_KEYS[:2])
+        and not any(k in raw for k in ("algorithm", "data", "suite", "sweep", "bench"))
+    )
+
+
+def describe_cluster(config: dict[str, Any]) -> str:
+    """One line about a prepared cluster config: name, provider, head and worker node types."""
+    node_types = config.get("available_node_types") or {}
+    head = config.get("head_node_type", "?")
+    workers = [
+        f"{name} ({spec.get('min_workers', 0)}-{spec.get('max_workers', 0)})"
+        for name, spec in node_types.items()
+        if name != head and isinstance(spec, dict)
+    ]
+    provider = (config.get("provider") or {}).get("type", "?")
+    return (
+        f"Ray cluster {config.get('cluster_name', '?')!r} on {provider}: head {head}, "
+        f"workers {', '.join(workers) or 'none'}"
+    )
+
+
+def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:
+    """The one line for a driver that could not join `engine.address` (a pure mapping of the
+    failure and the environment, so that it is tested without a cluster).
+
+    Ray 2.60 gives a driver that joins an explicit address of a head with token authentication,
+    but has no `RAY_AUTH_MODE=token`, only a `ConnectionError` after ~20 s of C++
+    `InvalidAuthToken` warnings; with the mode set and no token, an `AuthenticationError`.
+    `auto` reads the local token by itself, so only an explicit address gets the token hint.
+    """
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"engine.address={address!r}"
+    token = (
+        "RAY_AUTH_TOKEN=<the output of `ray get-auth-token` on the head> (or copy the head's "
+        "~/.ray/auth_token to this machine)"
+    )
+    if type(exc).__name__ == "AuthenticationError":
+        return f"could not join the Ray cluster at {where}: its token is missing here; set {token}"
+    explicit = address.strip().lower() not in ("", "auto", "local")
+    if explicit and env.get("RAY_AUTH_MODE", "").lower() != "token":
+        return (
+            f"could not join the Ray cluster at {where} ({detail}); if the warnings above say "
+            f"InvalidAuthToken, the head uses token authentication: export RAY_AUTH_MODE=token "
+            f"and {token}; otherwise check that the head runs (`ray start --head`) and the address"
+        )
+    return (
+        f"could not reach the Ray cluster at {where} ({detail}); start one with "
+        "`ray start --head`, check the address, or drop engine.address to run a local Ray"
+    )
 
 
 def validate_cluster_config(path: str | Path) -> dict[str, Any]:

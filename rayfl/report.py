@@ -40,6 +40,8 @@ tr.failed td { background: #fdecea; }
 .gain { font-weight: bold; color: #1b7f3b; } .loss { font-weight: bold; color: #b3261e; }
 img { max-width: 100%; border: 1px solid #eee; margin: .5rem 0; }
 pre { background: #f7f7f7; padding: .6rem; overflow-x: auto; font-size: .8rem; }
+details summary { cursor: pointer; color: #555; margin: .4rem 0; }
+.note { color: #555; font-size: .9rem; }
 """
 
 
@@ -55,18 +57,31 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+class Html(str):
+    """A table cell that is already HTML (a link): `table` does not escape it."""
+
+
+def link(href: str, text: str, title: str = "") -> Html:
+    """An `<a>` cell; `href` and `text` are escaped."""
+    tip = f' title="{_esc(title)}"' if title else ""
+    return Html(f'<a href="{_esc(href)}"{tip}>{_esc(text)}</a>')
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, Html):
+        return f"<td>{value}</td>"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f'<td class="num">{_esc(_fmt(value))}</td>'
+    return f"<td>{_esc(value)}</td>"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequence[str] = ()) -> str:
-    """An HTML table; numbers right-aligned, `classes[i]` on row i."""
+    """An HTML table; numbers right-aligned, `Html` cells as they are, `classes[i]` on row i."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
         cls = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
-        cells = "".join(
-            f'<td class="num">{_esc(_fmt(c))}</td>'
-            if isinstance(c, int | float) and not isinstance(c, bool)
-            else f"<td>{_esc(c)}</td>"
-            for c in row
-        )
+        cells = "".join(_cell(c) for c in row)
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -132,10 +147,15 @@ def _final_rows(final: Mapping[str, Any]) -> tuple[list[list[Any]], list[str]]:
     return rows, classes
 
 
-def _arch_bars(groups: Mapping[str, Mapping[str, float]], path: Path, title: str = "") -> Path:
+def _arch_bars(
+    groups: Mapping[str, Mapping[str, float]],
+    path: Path,
+    title: str = "",
+    errors: Mapping[str, Mapping[str, float]] | None = None,
+) -> Path:
     from rayfl.tracking.plots import plot_bars
 
-    return plot_bars(groups, path, ylabel="personalized accuracy", title=title)
+    return plot_bars(groups, path, ylabel="personalized accuracy", title=title, errors=errors)
 
 
 def run_report(run_dir: Path) -> str:
@@ -195,12 +215,50 @@ def run_report(run_dir: Path) -> str:
 # --------------------------------------------------------------------------- a suite
 
 
-def suite_report(out_dir: Path) -> str:
-    from rayfl.compare import ARCH_PREFIX, PERSONAL, arch_rows, mean_col, mean_curves, table_rows
+def _run_path(out_dir: Path, row: Mapping[str, Any]) -> Path:
+    """A suite run's directory: where the suite lays it out under `out_dir` (the folder may have
+    moved since, e.g. copied home from a cluster), else the path the row recorded."""
+    inside = out_dir / (row["setting"] or ".") / str(row["label"]) / f"seed{row['seed']}"
+    return inside if inside.is_dir() else Path(str(row["run_dir"]))
+
+
+def run_links(run_dir: Path, page_dir: Path, mlflow_id: str, text: str = "") -> tuple[Any, Any]:
+    """Cells linking a run: its directory (its own report.html when it has one), relative to the
+    page so that the folder can move; and its MLflow run, a link when the store is a server,
+    else the run id (`mlflow ui --backend-store-uri URI` opens a local store)."""
+    import os
+
+    from rayfl.engine.rundir import read_mlflow_run
+
+    target = run_dir / "report.html" if (run_dir / "report.html").is_file() else run_dir
+    rel = os.path.relpath(target.resolve(), page_dir.resolve()) if run_dir.exists() else ""
+    dir_cell: Any = link(rel, text or run_dir.name, str(run_dir)) if rel else str(run_dir)
+    ref = read_mlflow_run(run_dir) if run_dir.exists() else None
+    run_id = mlflow_id or (ref or {}).get("run_id", "")
+    uri = (ref or {}).get("tracking_uri", "")
+    if run_id and uri.startswith(("http://", "https://")):
+        return dir_cell, link(f"{uri.rstrip('/')}/#/runs/{run_id}", run_id[:8], run_id)
+    return dir_cell, Html(f'<span title="{_esc(uri)}">{_esc(run_id)}</span>') if run_id else "-"
+
+
+def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
+    from rayfl.compare import (
+        ARCH_PREFIX,
+        PERSONAL,
+        aggregate,
+        arch_rows,
+        curves_and_spread,
+        mean_col,
+        std_col,
+        table_rows,
+    )
     from rayfl.tracking.plots import plot_compare
 
-    results = _read_parquet(out_dir / "results.parquet")
+    page_dir = page_dir or out_dir
     runs = _read_parquet(out_dir / "runs.parquet")
+    finished = (out_dir / "results.parquet").exists()
+    # a suite still running or interrupted has no results yet: aggregate the runs done so far
+    results = _read_parquet(out_dir / "results.parquet") if finished else aggregate(runs)
     sections: list[tuple[str, str]] = []
     for setting in dict.fromkeys(r["setting"] for r in results):
         rows = [r for r in results if r["setting"] == setting]
@@ -208,94 +266,155 @@ def suite_report(out_dir: Path) -> str:
         sections.append((f"Comparison{suffix}", table(*table_rows(rows))))
         header, body = arch_rows(rows)
         if header:
-            groups = {
-                r["label"]: {
-                    k[len(ARCH_PREFIX) : -len(mean_col(""))]: v
-                    for k, v in r.items()
-                    if k.startswith(ARCH_PREFIX) and k.endswith(mean_col("")) and v is not None
+            groups, errors = {}, {}
+            for r in rows:
+                archs = header[1:]
+                groups[r["label"]] = {
+                    a: v for a in archs if (v := r.get(mean_col(ARCH_PREFIX + a))) is not None
                 }
-                for r in rows
-            }
+                errors[r["label"]] = {
+                    a: v for a in archs if (v := r.get(std_col(ARCH_PREFIX + a))) is not None
+                }
+            draw = partial(_arch_bars, groups, errors=errors)
             sections.append(
                 (
                     f"Personalized accuracy per architecture group{suffix}",
-                    table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
+                    table(header, body)
+                    + figure(draw, "per architecture")
+                    + '<p class="note">bars: mean over seeds; whiskers: std over seeds</p>',
                 )
             )
         histories: dict[str, list[Any]] = {}
         for run in runs:
             if run["setting"] == setting and run["status"] == "FINISHED":
-                history = _read_parquet(Path(run["run_dir"]) / "metrics.parquet")
+                history = _read_parquet(_run_path(out_dir, run) / "metrics.parquet")
                 if history:
                     histories.setdefault(run["label"], []).append(history)
         if histories:
-            curves = mean_curves(histories, PERSONAL)
+            means, spread = curves_and_spread(histories, PERSONAL)
+            seeds = max(len(h) for h in histories.values())
+            band = "mean ± std over seeds (band)" if seeds > 1 else "one seed"
             sections.append(
                 (
-                    f"Personalized accuracy by round, mean over seeds{suffix}",
-                    figure(partial(plot_compare, curves, ylabel=PERSONAL), "mean curves"),
+                    f"Personalized accuracy by round, {band}{suffix}",
+                    figure(partial(plot_compare, means, ylabel=PERSONAL, spread=spread), "curves"),
                 )
             )
-    header = ["setting", "algorithm", "seed", "status", PERSONAL, "rounds", "error"]
-    run_rows: list[list[Any]] = [
-        [
-            r["setting"],
-            r["label"],
-            r["seed"],
-            r["status"],
-            r.get(PERSONAL),
-            r["rounds"],
-            r.get("error") or "",
-        ]
-        for r in runs
-    ]
+    settings = any(r["setting"] for r in runs)
+    header = ["algorithm", "seed", "status", PERSONAL, "rounds", "run directory", "MLflow run"]
+    header = ["setting", *header] if settings else header
+    run_rows: list[list[Any]] = []
+    for r in runs:
+        path = _run_path(out_dir, r)
+        shown = f"{r['setting'] + '/' if r['setting'] else ''}{r['label']}/seed{r['seed']}"
+        status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
+        cells = [r["label"], r["seed"], status, r.get(PERSONAL), r["rounds"]]
+        cells += run_links(path, page_dir, r.get("mlflow_run_id") or "", shown)
+        run_rows.append([r["setting"], *cells] if settings else cells)
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))
     table_txt = out_dir / "table.txt"
-    first = table_txt.read_text().splitlines()[0] if table_txt.exists() else ""
+    if finished and table_txt.exists():
+        first = table_txt.read_text().splitlines()[0]
+    else:
+        first = (
+            f"not finished (interrupted or still running): {len(runs)} runs done so far; rerun "
+            "its rayfl compare command with the same --out to complete it"
+        )
     return page(f"Suite {out_dir.name}", first, sections)
 
 
 # --------------------------------------------------------------------------- a sweep
 
 
-def sweep_report(out_dir: Path) -> str:
+def _log_sampled(space: Mapping[str, Any]) -> list[str]:
+    """The swept keys drawn log-uniformly (`{loguniform: [low, high]}`): their axes are log."""
+    return [k for k, spec in space.items() if isinstance(spec, Mapping) and "loguniform" in spec]
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     import yaml
 
-    from rayfl.tracking.plots import plot_metric_vs_params
+    from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
 
+    page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
     raw = yaml.safe_load((out_dir / "sweep.yaml").read_text()) or {}
     sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
-    space = list((raw.get("space") or sweep.get("space") or {}).keys())
+    space_spec = raw.get("space") or sweep.get("space") or {}
+    space = list(space_spec.keys())
     tune = raw.get("tune") or sweep.get("tune") or {}
     metric = str(tune.get("metric", "personal/acc"))
+    mode = str(tune.get("mode", "max"))
     params = [p for p in space if rows and p in rows[0]] or [
         k for k in (rows[0] if rows else {}) if k.startswith(("algorithm.", "train.", "data."))
     ]
-    header = ["trial", *params, metric, "rounds", "status"]
-    body = [
-        [
-            r.get("trial", ""),
-            *(r.get(p) for p in params),
-            r.get(metric),
-            r.get("rounds"),
-            r.get("status", ""),
+    log_params = _log_sampled(space_spec) if isinstance(space_spec, Mapping) else []
+    header = ["trial", *params, metric, "rounds", "status", "run", "MLflow run"]
+    body = []
+    for r in rows:
+        run_dir = out_dir / "trials" / str(r.get("trial", ""))
+        body.append(
+            [
+                r.get("trial", ""),
+                *(_short(r.get(p)) for p in params),
+                r.get(metric),
+                r.get("rounds"),
+                r.get("status", "") + (f": {r['error']}" if r.get("error") else ""),
+                *run_links(run_dir, page_dir, ""),
+            ]
+        )
+    classes = ["failed" if r.get("status") == "error" else "" for r in rows]
+    sections = [("Trials", table(header, body, classes))]
+    scored = [r for r in rows if isinstance(r.get(metric), float) and math.isfinite(r[metric])]
+    if scored:
+        best = (max if mode == "max" else min)(scored, key=lambda r: r[metric])
+        best_rows = [[p, _short(best.get(p))] for p in params] + [[metric, best[metric]]]
+        text = f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)})</p>"
+        text += table(["parameter", "value"], best_rows)
+        if (out_dir / "best_config.yaml").exists():
+            text += (
+                "<details><summary>its full config (best_config.yaml: rayfl run "
+                "best_config.yaml repeats it)</summary>"
+                f"<pre>{_esc((out_dir / 'best_config.yaml').read_text())}</pre></details>"
+            )
+        sections.append(("Best trial", text))
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        history = _read_parquet(out_dir / "trials" / str(r.get("trial", "")) / "metrics.parquet")
+        points = [
+            (int(h["round"]), float(h[metric]))
+            for h in history
+            if isinstance(h.get(metric), float) and math.isfinite(h[metric])
         ]
-        for r in rows
-    ]
-    sections = [("Trials", table(header, body))]
-    if (out_dir / "best_config.yaml").exists():
+        if points:
+            label = ", ".join(f"{p.rsplit('.', 1)[-1]}={_short(r.get(p))}" for p in params)
+            curves[f"{r.get('trial', '')}: {label}" if label else str(r.get("trial"))] = points
+    if curves:
         sections.append(
-            ("Best trial", f"<pre>{_esc((out_dir / 'best_config.yaml').read_text())}</pre>")
+            (
+                f"{metric} by round, one line per trial",
+                figure(partial(plot_compare, curves, ylabel=metric), "per-trial curves"),
+            )
         )
     if rows and params:
+        note = (
+            f'<p class="note">log axes: {_esc(", ".join(log_params))} (sampled log-uniformly)</p>'
+            if log_params
+            else ""
+        )
         sections.append(
             (
                 f"{metric} against each parameter",
                 figure(
-                    lambda p: plot_metric_vs_params(rows, metric, params, p), "metric vs params"
-                ),
+                    lambda p: plot_metric_vs_params(rows, metric, params, p, log_params),
+                    "metric vs params",
+                )
+                + note,
             )
         )
     return page(f"Sweep {out_dir.name}", f"{len(rows)} trials, metric {metric}", sections)
@@ -308,13 +427,13 @@ def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
     if (path / "summary.json").exists():
         return "run"
-    if (path / "results.parquet").exists() and (path / "runs.parquet").exists():
-        return "suite"
+    if (path / "runs.parquet").exists() or (path / "suite.yaml").exists():
+        return "suite"  # finished, or partly: runs.parquet grows as runs finish
     if (path / "results.parquet").exists() and (path / "sweep.yaml").exists():
         return "sweep"
     raise UserError(
         f"rayfl report {path}: not a run directory (summary.json), a suite folder "
-        "(results.parquet + runs.parquet) or a sweep folder (results.parquet + sweep.yaml); "
+        "(suite.yaml, runs.parquet) or a sweep folder (results.parquet + sweep.yaml); "
         "pass a folder written by rayfl run --out, rayfl compare or rayfl tune"
     )
 
@@ -325,8 +444,11 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     if not folder.is_dir():
         raise UserError(f"rayfl report {folder}: no such folder")
     kind = kind_of(folder)
-    render = {"run": run_report, "suite": suite_report, "sweep": sweep_report}[kind]
     target = Path(out) if out else folder / "report.html"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(render(folder), encoding="utf-8")
+    if kind == "run":
+        text = run_report(folder)
+    else:  # links to run directories are relative to the page
+        text = (suite_report if kind == "suite" else sweep_report)(folder, target.parent)
+    target.write_text(text, encoding="utf-8")
     return target

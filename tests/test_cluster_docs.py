@@ -31,3 +31,21 @@ def test_cluster_doc_covers_the_steps_after_ray_up():
         "AmazonSSMReadOnlyAccess",
     ):
         assert needle in doc, needle
+
+
+def test_cluster_doc_scopes_stop_and_mlflow_reach_as_the_config_binds_it():
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    for needle in (
+        "--block",  # a node stopped by its own pid, not the global `ray stop`
+        "kill $(cat ~/ray-head.pid)",
+        "rayfl validate cluster.yaml",
+        "--app-name basic-auth",  # a bound MLflow address only with authentication
+        "-L 5000:127.0.0.1:5000 ubuntu@$RAY_HEAD_IP",  # or a tunnel from each worker
+    ):
+        assert needle in doc, needle
+    cfg = (ROOT / "cluster.yaml").read_text()
+    assert "mlflow server --host 127.0.0.1" in cfg  # what the doc's advice rests on
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):  # the private address is given only with credentials
+        if "<head-private-ip>:5000" in line:
+            assert "MLFLOW_TRACKING_USERNAME" in "\n".join(lines[i : i + 2]), line

@@ -216,3 +216,20 @@ def test_schema_is_the_one_shipped_with_ray() -> None:
     path = ray_schema_path()
     assert path.is_file() and path.parent.name == "autoscaler"
     assert Path(ray.__file__).parent in path.parents
+
+
+def test_rayfl_validate_checks_a_cluster_file_as_one(tmp_path, shipped, capsys) -> None:
+    from rayfl.cli import main
+
+    assert main(["validate", str(CLUSTER_YAML)]) == 0
+    out = capsys.readouterr().out
+    assert f"ok (Ray cluster 'rayfl' on aws: head {HEAD}, workers {WORKER} (0-" in out
+    broken = copy.deepcopy(shipped)
+    broken["head_node_type"] = "ray.head.typo"
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "$.head_node_type" in err and "algorithm" not in err  # not read as an experiment
+    assert main(["run", str(CLUSTER_YAML)]) == 2
+    assert "ray up" in capsys.readouterr().err

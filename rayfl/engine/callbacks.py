@@ -65,14 +65,25 @@ class Callback:
 class ProgressBar(Callback):
     """Progress over rounds with elapsed time and the current personalized accuracy: one tqdm bar
     on a terminal, or one plain line per round when `stream` is not a terminal or reports zero
-    columns (CI logs, some IDE consoles), where a bar would vanish or smear."""
+    columns (CI logs, some IDE consoles), where a bar would vanish or smear.
 
-    def __init__(self, desc: str = "", stream: Any = None, plain: bool | None = None) -> None:
+    On a terminal the bar also moves inside a round: it registers itself as the executor's
+    progress listener and shows the phase and the clients done, `r4 fit 12/20`, `r4 server`,
+    `r4 eval 37/50` (redrawn at most every `redraw_s` seconds, and at the end of each phase)."""
+
+    def __init__(
+        self, desc: str = "", stream: Any = None, plain: bool | None = None, redraw_s: float = 0.2
+    ) -> None:
         self.desc = desc
         self.stream = stream
         self.plain = plain
+        self.redraw_s = redraw_s
         self.bar: Any = None
         self._start = 0.0
+        self._round = 0
+        self._phase = ""
+        self._post: dict[str, str] = {}
+        self._drawn = 0.0
 
     @staticmethod
     def wants_plain(stream: Any) -> bool:
@@ -104,6 +115,23 @@ class ProgressBar(Callback):
             file=stream,
             dynamic_ncols=True,
         )
+        self._round = sim.start_round - 1
+        if sim.executor is not None:
+            sim.executor.progress = self.on_progress
+
+    def on_progress(self, phase: str, done: int, total: int) -> None:
+        """The executor's report after a batch of clients: `phase` ("fit" or "eval"), clients
+        done of `total` in this round's phase. A finished fit means the server step runs now."""
+        if phase == "fit" and self._phase != "fit":
+            self._round += 1  # a round starts with its fit phase
+        finished = done >= total
+        self._phase = "server" if phase == "fit" and finished else phase
+        now = time.monotonic()
+        if self.bar is None or (not finished and now - self._drawn < self.redraw_s):
+            return
+        self._drawn = now
+        where = "server" if self._phase == "server" else f"{phase} {done}/{total}"
+        self.bar.set_postfix({"now": f"r{self._round} {where}", **self._post}, refresh=True)
 
     @staticmethod
     def _fields(round_idx: int, metrics: dict[str, float]) -> dict[str, str]:
@@ -132,6 +160,7 @@ class ProgressBar(Callback):
                 flush=True,
             )
             return
+        self._post = {k: v for k, v in post.items() if k != "round"}
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
 

@@ -38,6 +38,13 @@ class Executor(ABC):
     """The primitives the round loop calls. Handles are values (serial) or ObjectRefs (Ray)."""
 
     spec: RunSpec
+    # Optional listener of progress inside a round: `progress(phase, done, total)`, phase "fit"
+    # or "eval", after each batch of clients (the terminal progress bar sets it).
+    progress: Callable[[str, int, int], None] | None = None
+
+    def _report(self, phase: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
 
     @abstractmethod
     def broadcast(
@@ -155,12 +162,21 @@ class SerialExecutor(Executor):
     ) -> tuple[list[ClientMetrics], list[Any]]:
         timeout = self.spec.engine.round_timeout_s
         if timeout is None:
-            states = [self.states.get(c) for c in client_ids]
-            rows, batch, new_states = self.runner.fit(
-                round_idx, client_ids, payloads, states, evaluate
-            )
-            self.states.update(zip(client_ids, new_states))
-            return rows, [batch]
+            # the batches a Ray worker would get (each client is seeded on its own, so the
+            # numbers are those of one call); a grouped round stays one computation
+            e = self.spec.engine
+            size = len(client_ids) if e.grouped else e.clients_per_call
+            rows, reply_lists = [], []
+            for chunk in _batches(client_ids, max(1, size)):
+                states = [self.states.get(c) for c in chunk]
+                chunk_rows, batch, new_states = self.runner.fit(
+                    round_idx, chunk, payloads, states, evaluate
+                )
+                self.states.update(zip(chunk, new_states))
+                rows += chunk_rows
+                reply_lists.append(batch)
+                self._report("fit", len(rows), len(client_ids))
+            return rows, reply_lists
         # With a deadline, clients train one at a time (each is seeded on its own, so the numbers
         # are those of one call) and the ones not started when it passes are dropped, as on Ray.
         deadline = self.clock() + timeout
@@ -181,13 +197,18 @@ class SerialExecutor(Executor):
             metrics += m
             replies += r
             self.states[cid] = new[0]
+            self._report("fit", i + 1, len(client_ids))
         return metrics, [replies]
 
     def evaluate(
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
     ) -> list[ClientMetrics]:
-        states = [self.states.get(c) for c in client_ids]
-        return self.runner.evaluate(round_idx, client_ids, payloads, states)
+        rows: list[ClientMetrics] = []
+        for chunk in _batches(client_ids, self.spec.engine.clients_per_call):
+            states = [self.states.get(c) for c in chunk]
+            rows += self.runner.evaluate(round_idx, chunk, payloads, states)
+            self._report("eval", len(rows), len(client_ids))
+        return rows
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         return self.server.step(round_idx, replies, evaluate)
@@ -485,6 +506,7 @@ class RayExecutor(Executor):
             metrics.extend(rows)
             reply_refs.append(replies)
             self.states.update(zip(batch, states))
+            self._report("fit", len(metrics), len(client_ids))
 
         def died(batch: list[int]) -> None:
             key = tuple(batch)
@@ -537,9 +559,11 @@ class RayExecutor(Executor):
                 )
             log.warning("round %d: a worker died in evaluation; retrying %s", round_idx, batch)
 
-        lane = _Lane(
-            submit, lambda _, ref: ray_get(ref), in_driver, lambda _, r: rows.extend(r), died
-        )
+        def record(batch: list[int], result: list[ClientMetrics]) -> None:
+            rows.extend(result)
+            self._report("eval", len(rows), len(client_ids))
+
+        lane = _Lane(submit, lambda _, ref: ray_get(ref), in_driver, record, died)
         self._dispatch(round_idx, _batches(order, e.clients_per_call), lane)
         return rows
 

@@ -151,14 +151,30 @@ def mark_mlflow_killed(run_dir: Path) -> bool:
     return mark_killed(ref["run_id"], ref.get("tracking_uri"))
 
 
-def list_runs(root: Path) -> list[RunInfo]:
-    """Every run directory at ``root`` or one level below (a directory with a config.yaml)."""
+def list_runs(root: Path, max_depth: int = 4) -> list[RunInfo]:
+    """Every run directory (a directory with a config.yaml) at ``root`` or below it, down to
+    ``max_depth`` levels: a suite folder holds its runs as ``[setting/]label/seedN``. Symbolic
+    links are not followed and a run directory's own folders (checkpoints) are not searched."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} is not a directory; pass the folder holding run directories")
-    candidates = [root] if (root / "config.yaml").exists() else []
-    candidates += sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.yaml").exists())
-    return [run_info(p) for p in candidates]
+    found: list[Path] = []
+
+    def walk(folder: Path, depth: int) -> None:
+        if (folder / "config.yaml").is_file():
+            found.append(folder)
+            return
+        if depth >= max_depth:
+            return
+        try:
+            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())
+        except OSError:  # unreadable folder: list what can be read
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return [run_info(p) for p in found]
 
 
 def pid_alive(pid: int) -> bool:

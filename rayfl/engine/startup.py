@@ -475,11 +475,10 @@ def init_ray(
             kwargs["_system_config"] = system
             with _lean_head() if lean else nullcontext():
                 ray.init(address="local", num_cpus=num_cpus, **kwargs)
-    except ConnectionError as exc:
-        raise UserError(
-            f"could not reach the Ray cluster at engine.address={address!r} ({exc}); start one with "
-            "`ray start --head`, check the address, or drop engine.address to run a local Ray"
-        ) from None
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        from rayfl.clusterconfig import join_error
+
+        raise UserError(join_error(address or "", exc, os.environ)) from None
     except (TimeoutError, ray.exceptions.GetTimeoutError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"join engine.address={address!r}" if address else "start a local Ray"

@@ -510,3 +510,22 @@ def end_child_runs(
         logger.warning("could not end the child runs of MLflow run %s: %s", parent_run_id, exc)
         return 0
     return len(runs)
+
+
+def delete_run(run_id: str, tracking_uri: str | None = None) -> bool:
+    """Delete MLflow run ``run_id`` (MLflow's soft delete: ``mlflow gc`` purges it, the UI can
+    restore it); True when it was deleted.
+
+    A suite run that restarts from round 1 (no checkpoint) replaces the partial MLflow run its
+    earlier attempt left, so that the suite's parent keeps one child per run. An unreachable
+    store or an unknown run is logged and ignored.
+    """
+    from mlflow import MlflowClient
+
+    uri = tracking_uri or default_tracking_uri()
+    try:
+        MlflowClient(tracking_uri=uri).delete_run(run_id)
+    except Exception as exc:
+        logger.warning("could not delete the partial MLflow run %s at %s: %s", run_id, uri, exc)
+        return False
+    return True

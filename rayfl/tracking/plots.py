@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 ARCH_PREFIX = "personal/acc/arch="
 
+# Reports show figures at most this wide (inches at `_save`'s 120 dpi: 1080 px, inside the HTML
+# page's 1100 px column), so a browser never scales them down and 10 pt text stays ~17 px.
+MAX_WIDTH_IN = 9.0
+
 
 def _finite(value: Any) -> float | None:
     """Return ``value`` as a float if it is a finite real number, else None."""
@@ -84,17 +88,34 @@ def _no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no data: {what}", ha="center", va="center", transform=ax.transAxes)
 
 
-def _lines(ax: Axes, named: Mapping[str, Sequence[tuple[float, float]]]) -> int:
+MAX_LEGEND = 16  # more lines than this: no legend (it would hide the axes); the table names them
+
+
+def _lines(
+    ax: Axes,
+    named: Mapping[str, Sequence[tuple[float, float]]],
+    spread: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+) -> int:
+    """One line per name; with `spread` ({name: [(x, std)]}), a band of mean +- std around it."""
     drawn = 0
     for name, points in named.items():
         if not points:
             continue
         xs, ys = zip(*sorted(points))
         style = "--" if name.startswith("local-only") else "-"
-        ax.plot(xs, ys, style, marker="o" if len(xs) <= 30 else None, markersize=3, label=name)
+        (line,) = ax.plot(
+            xs, ys, style, marker="o" if len(xs) <= 30 else None, markersize=3, label=name
+        )
+        std = dict(spread.get(name, ())) if spread else {}
+        band = [(x, y, std[x]) for x, y in zip(xs, ys) if x in std]
+        if len(band) > 1:
+            bx, by, bs = zip(*band)
+            lo = [y - s for y, s in zip(by, bs)]
+            hi = [y + s for y, s in zip(by, bs)]
+            ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
         drawn += 1
     if drawn:
-        if drawn > 1:  # beside the axes, never over the lines
+        if 1 < drawn <= MAX_LEGEND:  # beside the axes, never over the lines
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
@@ -128,7 +149,7 @@ def plot_learning_curves(
     keys = list(default_keys(history) if keys is None else keys)
     ncols = min(2, max(1, len(keys)))
     nrows = max(1, math.ceil(len(keys) / ncols))
-    fig = _new_figure(nrows, ncols, width=5.6, height=3.6)
+    fig = _new_figure(nrows, ncols, width=MAX_WIDTH_IN / 2, height=3.2)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     if not keys:
         _no_data(axes[0], "accuracy metrics")
@@ -167,34 +188,55 @@ def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path
     return _save(fig, path)
 
 
+MAX_BAR_LABELS = 12  # more bars than this: no value over each bar (the table has the numbers)
+
+
 def plot_bars(
-    groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str, title: str = ""
+    groups: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    ylabel: str,
+    title: str = "",
+    errors: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Path:
     """Grouped bars: one group per category (e.g. architecture), one bar per series (e.g.
-    algorithm, or pFedES beside the local-only baseline), the value written over each bar.
+    algorithm, or pFedES beside the local-only baseline). The figure is at most
+    `MAX_WIDTH_IN` wide whatever the number of bars, so its text stays legible in a report;
+    each bar carries its value when there are few bars, and an error bar when `errors` gives
+    one (e.g. the std over seeds).
 
     Args:
         groups: ``{series: {category: value}}``.
         path: Output image file.
         ylabel: Label of the y axis.
         title: Axes title.
+        errors: ``{series: {category: std}}`` drawn as error bars.
 
     Returns:
         ``path`` as a Path.
     """
     categories = sorted({c for values in groups.values() for c in values})
-    fig = _new_figure(width=max(5.0, 1.4 * len(categories) * max(1, len(groups)) ** 0.5))
+    fig = _new_figure(width=min(MAX_WIDTH_IN, max(5.0, 1.6 * len(categories))), height=4.0)
     ax = fig.add_subplot()
     if not categories:
         _no_data(ax, ylabel)
         return _save(fig, path)
     width = 0.8 / max(1, len(groups))
+    label_bars = len(groups) * len(categories) <= MAX_BAR_LABELS
     for i, (name, values) in enumerate(groups.items()):
         xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(categories))]
         ys = [values.get(c, math.nan) for c in categories]
-        bars = ax.bar(xs, ys, width=width * 0.95, label=name)
-        ax.bar_label(bars, fmt="%.3f", fontsize="x-small", padding=2)
-    ax.set_xticks(range(len(categories)), categories)
+        err = (errors or {}).get(name, {})
+        yerr = [err.get(c) or 0.0 for c in categories] if err else None
+        bars = ax.bar(xs, ys, width=width * 0.95, label=name, yerr=yerr, capsize=2)
+        if label_bars:
+            ax.bar_label(bars, fmt="%.3f", fontsize="small", padding=2)
+    rotate = len(categories) > 6 or max(len(c) for c in categories) * len(categories) > 60
+    ax.set_xticks(
+        range(len(categories)),
+        categories,
+        rotation=30 if rotate else 0,
+        ha="right" if rotate else "center",
+    )
     ax.set_xlabel("architecture")
     ax.set_ylabel(ylabel)
     finite = [v for values in groups.values() for v in values.values() if _finite(v) is not None]
@@ -209,7 +251,11 @@ def plot_bars(
 
 
 def plot_compare(
-    curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, ylabel: str
+    curves: Mapping[str, Sequence[tuple[int, float]]],
+    path: str | Path,
+    ylabel: str,
+    spread: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+    title: str = "",
 ) -> Path:
     """Plot one curve per algorithm (e.g. mean accuracy over seeds against rounds).
 
@@ -217,6 +263,8 @@ def plot_compare(
         curves: ``{algorithm: [(round, value), ...]}``.
         path: Output image file.
         ylabel: Label of the y axis (the metric).
+        spread: ``{algorithm: [(round, std), ...]}``: a band of mean +- std (over seeds).
+        title: Axes title.
 
     Returns:
         ``path`` as a Path.
@@ -225,12 +273,18 @@ def plot_compare(
         name: [(float(x), y) for x, v in points if (y := _finite(v)) is not None]
         for name, points in curves.items()
     }
-    fig = _new_figure()
+    bands = {
+        name: [(float(x), s) for x, v in points if (s := _finite(v)) is not None]
+        for name, points in (spread or {}).items()
+    }
+    fig = _new_figure(width=7.5)
     ax = fig.add_subplot()
-    if not _lines(ax, named):
+    if not _lines(ax, named, bands):
         _no_data(ax, ylabel)
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize="medium")
     return _save(fig, path)
 
 
@@ -239,26 +293,36 @@ def _is_numeric(values: Sequence[Any]) -> bool:
 
 
 def plot_metric_vs_params(
-    rows: Sequence[Mapping[str, Any]], metric: str, params: Sequence[str], path: str | Path
+    rows: Sequence[Mapping[str, Any]],
+    metric: str,
+    params: Sequence[str],
+    path: str | Path,
+    log_params: Sequence[str] = (),
 ) -> Path:
-    """Scatter ``metric`` against each swept parameter, one subplot per parameter.
+    """Scatter ``metric`` against each swept parameter, one subplot per parameter, two a row.
 
-    Numeric parameters get a numeric axis (logarithmic when positive and spanning two or more
-    decades, as learning rates do); others get one column per distinct value, with the mean
-    marked. Rows without a finite ``metric`` or without the parameter are left out.
+    Numeric parameters get a numeric axis: logarithmic for the ones in ``log_params`` (sampled
+    log-uniformly) and for positive values spanning two or more decades, as learning rates do;
+    others get one column per distinct value, with the mean marked. Rows without a finite
+    ``metric`` or without the parameter are left out.
 
     Args:
         rows: One mapping per trial holding parameter values and ``metric``.
         metric: The metric on the y axis.
         params: The parameters, one subplot each.
         path: Output image file.
+        log_params: Parameters drawn on a log axis whatever their span.
 
     Returns:
         ``path`` as a Path.
     """
     params = list(params) or ["(none)"]
-    fig = _new_figure(ncols=len(params), width=4.0)
-    axes = fig.subplots(1, len(params), squeeze=False)[0]
+    ncols = min(2, len(params))
+    nrows = math.ceil(len(params) / ncols)
+    fig = _new_figure(nrows, ncols, width=MAX_WIDTH_IN / 2, height=3.2)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(params) :]:
+        fig.delaxes(ax)  # the odd panel's empty neighbour
     for ax, param in zip(axes, params):
         pairs = [
             (row[param], y)
@@ -275,7 +339,7 @@ def plot_metric_vs_params(
         if _is_numeric(xs):
             fx = [float(x) for x in xs]
             ax.scatter(fx, ys, s=18)
-            if min(fx) > 0 and max(fx) / min(fx) >= 100:
+            if min(fx) > 0 and (param in log_params or max(fx) / min(fx) >= 100):
                 ax.set_xscale("log")
         else:
             labels = sorted({str(x) for x in xs})

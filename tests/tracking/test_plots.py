@@ -151,3 +151,35 @@ def test_no_pyplot_state_is_created(tmp_path) -> None:
     before = plt.get_fignums()
     plots.plot_learning_curves(HISTORY, tmp_path / "x.png")
     assert plt.get_fignums() == before
+
+
+def test_bars_stay_legible_in_a_report_column_whatever_their_number(tmp_path) -> None:
+    # 6 algorithms x 10 architectures: the old figure was 34 inches wide (4100 px), so a
+    # 1100 px page column showed its 7 pt labels at ~2 px
+    groups = {f"algo{i}": {f"cnn{j}": 0.1 * j / (i + 1) for j in range(10)} for i in range(6)}
+    errors = {name: {c: 0.01 for c in values} for name, values in groups.items()}
+    png = plots.plot_bars(groups, tmp_path / "bars.png", ylabel="acc", errors=errors)
+    image = mpimg.imread(png)
+    assert image.shape[1] <= plots.MAX_WIDTH_IN * 120 <= 1100
+    svg = plots.plot_bars(groups, tmp_path / "bars.svg", ylabel="acc", errors=errors).read_text()
+    assert "0.050" not in svg  # 60 bars: no value printed over each (the table has them)
+    few = plots.plot_bars({"a": {"x": 0.5, "y": 0.25}}, tmp_path / "few.svg", ylabel="acc")
+    assert "0.500" in few.read_text() and "0.250" in few.read_text()
+
+
+def test_compare_curves_draw_the_seed_spread_as_a_band(tmp_path) -> None:
+    curves = {"a": [(1, 0.3), (2, 0.5)], "b": [(1, 0.2), (2, 0.4)]}
+    plain = plots.plot_compare(curves, tmp_path / "plain.svg", ylabel="acc").read_text()
+    spread = {"a": [(1, 0.05), (2, 0.1)]}
+    band = plots.plot_compare(curves, tmp_path / "band.svg", ylabel="acc", spread=spread)
+    assert "PolyCollection" not in plain
+    assert band.read_text().count("PolyCollection") >= 1  # one band, for "a" only
+
+
+def test_log_sampled_parameters_get_a_log_axis_whatever_their_span(tmp_path, drawn) -> None:
+    rows = [{"lr": lr, "mu": mu, "acc": 0.5} for lr, mu in [(0.01, 0.1), (0.05, 0.2), (0.09, 0.3)]]
+    plots.plot_metric_vs_params(rows, "acc", ["lr", "mu", "lr"], tmp_path / "p.png", ["lr"])
+    plots.plot_metric_vs_params(rows, "acc", ["lr"], tmp_path / "q.png")
+    logged, plain = drawn
+    assert [ax.get_xscale() for ax in logged.axes] == ["log", "linear", "log"]  # 2 a row
+    assert [ax.get_xscale() for ax in plain.axes] == ["linear"]  # under two decades: linear

@@ -1,0 +1,90 @@
+"""An interrupted suite resumes under the same MLflow parent run: every child ends FINISHED, a
+resumed child continues its own MLflow run, and a run restarted from round 1 replaces its partial
+run, so the parent holds exactly one child per run."""
+
+from __future__ import annotations
+
+import pytest
+
+import rayfl.launch
+from rayfl.compare import SuiteInterrupted, run_suite
+from rayfl.engine.callbacks import Callback
+from tests.test_compare import write_suite
+
+NAMES = ["local-s0", "local-s1", "proto-s0", "proto-s1"]
+
+
+class InterruptAfterRound(Callback):
+    """Ctrl-C at the end of round `at` (after the checkpoint callback wrote that round)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_round_end(self, sim, round_idx, metrics):
+        if round_idx == self.at:
+            raise KeyboardInterrupt
+
+
+def suite_runs(uri):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("suite_test")
+    found = client.search_runs([experiment.experiment_id])
+    parents = [r for r in found if r.info.run_name == "suite-tiny"]
+    children = [r for r in found if "mlflow.parentRunId" in r.data.tags]
+    return parents, children
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 0])
+def test_interrupted_suite_resumes_into_one_parent_with_every_child_finished(
+    tmp_path, monkeypatch, checkpoint_every
+):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = write_suite(tmp_path)
+    over = [
+        "tracking.backend=mlflow",
+        f"tracking.uri={uri}",
+        f"engine.checkpoint_every={checkpoint_every}",
+    ]
+    out = tmp_path / "out"
+    real = rayfl.launch.simulate
+    interrupt = {"proto-s0"}
+
+    def ctrl_c_in(cfg, run_dir, **kw):
+        if cfg.tracking.run_name in interrupt:
+            interrupt.discard(cfg.tracking.run_name)
+            kw["extra_callbacks"] = [InterruptAfterRound(1)]
+        return real(cfg, run_dir, **kw)
+
+    monkeypatch.setattr(rayfl.launch, "simulate", ctrl_c_in)
+    with pytest.raises(SuiteInterrupted) as caught:
+        run_suite(path, over, out=out, progress=False)
+    assert caught.value.out_dir == out
+    parents, children = suite_runs(uri)
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    first = {r.info.run_name: r for r in children}
+    assert sorted(first) == ["local-s0", "local-s1", "proto-s0"]  # proto-s1 never started
+    assert first["proto-s0"].info.status == "KILLED"
+    assert {first[n].info.status for n in ("local-s0", "local-s1")} == {"FINISHED"}
+
+    run_suite(path, over, out=out, progress=False)
+    parents, children = suite_runs(uri)
+    assert (
+        len(parents) == 1
+        and parents[0].info.run_id == first["local-s0"].data.tags["mlflow.parentRunId"]
+    )
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    assert sorted(r.info.run_name for r in children) == NAMES  # one child per run
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert {r.info.status for r in children} == {"FINISHED"}
+    again = {r.info.run_name: r for r in children}
+    resumed = again["proto-s0"]
+    if checkpoint_every:  # resumed from its checkpoint: the same MLflow run, continued
+        assert resumed.info.run_id == first["proto-s0"].info.run_id
+        assert resumed.data.tags["rayfl.resumes"] == "1"
+    else:  # no checkpoint: started again, its partial run replaced
+        assert resumed.info.run_id != first["proto-s0"].info.run_id
+    for name in ("local-s0", "local-s1"):  # finished runs were skipped, not rerun
+        assert again[name].info.run_id == first[name].info.run_id
