@@ -8,9 +8,10 @@ laptop, without credentials, in under a second:
    wrong types, a missing ``provider.type``, non-integer node resources;
 2. checks the schema cannot express: ``head_node_type`` names a defined node type, worker
    bounds are consistent, node resources are true integers (the schema lets ``1.0`` through);
-3. Ray's own offline config preparation (``prepare_config``: merges the provider defaults,
-   Docker and min/max-worker filling) followed by Ray's ``validate_config`` on the result,
-   which is what ``ray up`` runs before it contacts the provider.
+
+Ray's own ``prepare_config``/``validate_config`` live in ``ray.autoscaler._private`` and are
+not used: a Ray upgrade could change them silently. What they add beyond these checks (the
+provider's default node types, Docker and setup-command merging) is left to ``ray up``.
 
 Every problem raises :class:`~rayfl.errors.ConfigError` naming the JSON path (``$.a.b``).
 
@@ -23,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-# Provider types Ray's launcher understands; used only when Ray's own table cannot be read.
-_FALLBACK_PROVIDER_TYPES = (
+# Provider types Ray's launcher understands (its table of them is private to Ray).
+PROVIDER_TYPES = (
     "aws",
     "gcp",
     "azure",
@@ -85,14 +85,6 @@ def _load_schema() -> dict[str, Any]:
     with path.open() as f:
         schema: dict[str, Any] = json.load(f)
     return schema
-
-
-def _provider_types() -> list[str]:
-    try:
-        from ray.autoscaler._private.providers import _DEFAULT_CONFIGS
-    except ImportError:  # Ray moved its internals: the list above is good enough for hints.
-        return list(_FALLBACK_PROVIDER_TYPES)
-    return sorted({*_DEFAULT_CONFIGS, "external", "kuberay"})
 
 
 def _schema_error_message(error: Any) -> str:
@@ -183,35 +175,27 @@ def _check_node_types(config: dict[str, Any]) -> None:
         )
 
 
+def _check_docker(config: dict[str, Any]) -> None:
+    """`ray up` refuses a docker section without both an image and a container name."""
+    docker = config.get("docker")
+    if not docker:
+        return
+    has_image = docker.get("image") or docker.get("head_image") or docker.get("worker_image")
+    if has_image and not docker.get("container_name"):
+        raise ConfigError(
+            "$.docker.container_name: required beside docker.image (Ray needs a container & "
+            "image name); add container_name or remove the docker section"
+        )
+
+
 def _check_provider(config: dict[str, Any]) -> None:
     kind = config["provider"]["type"]
-    known = _provider_types()
+    known = sorted(PROVIDER_TYPES)
     if kind not in known:
         raise ConfigError(
             f"$.provider.type: unsupported provider {kind!r}"
             f"{suggest(kind, known)}; choose one of {known}"
         )
-
-
-def _ray_prepare(config: dict[str, Any]) -> dict[str, Any]:
-    """Run Ray's offline preparation and validation (what ``ray up`` does before the cloud)."""
-    try:
-        from ray.autoscaler._private.util import prepare_config, validate_config
-    except ImportError:
-        logger.warning(
-            "Ray's prepare_config/validate_config are not importable from this Ray version; "
-            "the cluster config was only checked against the schema"
-        )
-        return config
-    try:
-        prepared: dict[str, Any] = prepare_config(copy.deepcopy(config))
-        validate_config(prepared)
-    except Exception as exc:  # Ray raises ValueError, AssertionError, jsonschema errors...
-        path = [str(p) for p in getattr(exc, "absolute_path", [])]
-        where = f"{json_path(path)}: " if path else ""
-        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-        raise ConfigError(f"{where}{message}") from exc
-    return prepared
 
 
 # Keys only a Ray cluster launcher file has at its top level (a run config has none of them).
@@ -229,7 +213,7 @@ def is_cluster_file(raw: Any) -> bool:
 
 
 def describe_cluster(config: dict[str, Any]) -> str:
-    """One line about a prepared cluster config: name, provider, head and worker node types."""
+    """One line about a validated cluster config: name, provider, head and worker node types."""
     node_types = config.get("available_node_types") or {}
     head = config.get("head_node_type", "?")
     workers = [
@@ -275,14 +259,13 @@ def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:
 
 
 def validate_cluster_config(path: str | Path) -> dict[str, Any]:
-    """Validate a Ray cluster launcher YAML offline and return Ray's prepared config.
+    """Validate a Ray cluster launcher YAML offline and return it.
 
     Args:
         path: The cluster YAML (e.g. the repository's ``cluster.yaml``).
 
     Returns:
-        The config as Ray prepares it for ``ray up``: provider defaults merged in, setup
-        commands merged, per-node-type ``min_workers``/``max_workers`` filled.
+        The config as loaded (``ray up`` merges the provider's defaults into it later).
 
     Raises:
         ConfigError: The file is missing or not YAML, or a key, type or value is invalid; the
@@ -301,7 +284,8 @@ def validate_cluster_config(path: str | Path) -> dict[str, Any]:
         _check_schema(config, _load_schema())
         _check_provider(config)
         _check_node_types(config)
-        return _ray_prepare(config)
+        _check_docker(config)
+        return config
     except ConfigError as exc:
         # Prefix the file so several configs can be told apart in one log.
         raise ConfigError(f"cluster config {path}: {exc}") from exc.__cause__
