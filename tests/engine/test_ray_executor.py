@@ -97,7 +97,7 @@ def test_impossible_resources_are_a_clear_error(ray_local, synthetic_raw):
         )
 
 
-def test_a_worker_killed_inside_its_call_is_restarted_by_ray_with_the_serial_numbers(
+def test_a_worker_killed_during_the_round_is_restarted_by_ray_with_the_serial_numbers(
     ray_local, synthetic_raw
 ):
     # Ray restarts the worker (max_restarts) and re-runs its call (max_task_retries); the
