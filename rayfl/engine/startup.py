@@ -88,7 +88,17 @@ def spill_dir(run_dir: str | Path) -> Path:
 
 def init_ray_for_run(e: EngineConfig, spill_dir: str | Path | None = None) -> bool:
     """`init_ray` with a run's `engine` settings (`spill_dir`: the run's default spill folder,
-    used when `engine.spill_dir` is not set)."""
+    used when `engine.spill_dir` is not set).
+
+    Raises:
+        UserError: the run's spill folder is a symlink (a run directory is untrusted input:
+            Ray would write the spilled objects wherever it points).
+    """
+    if e.spill_dir is None and spill_dir is not None and Path(spill_dir).is_symlink():
+        raise UserError(
+            f"{spill_dir} is a symlink; a run directory's ray-spill folder must be a real "
+            "folder inside it: remove the link, or set engine.spill_dir"
+        )
     return init_ray(e.address, e.ray_num_cpus, e.object_store_mb, e.spill_dir or spill_dir)
 
 

@@ -112,3 +112,19 @@ def test_rayfl_run_reports_a_failed_ray_start_in_one_line(
     assert code == 2
     assert len(err) == 1 and err[0].startswith("rayfl: error: could not start a local Ray")
     assert "timed out during startup" in err[0]
+
+
+def test_a_symlinked_spill_folder_in_the_run_directory_is_refused(tmp_path, synthetic_raw):
+    # A run directory is untrusted (a resumed one may come from elsewhere): Ray must not spill
+    # objects through a link to another place. Refused before Ray starts.
+    from rayfl.config import build_config as build
+
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ray-spill").symlink_to(elsewhere)
+    engine = build(synthetic_raw, ["engine.executor=ray"]).engine
+    with pytest.raises(UserError, match="ray-spill is a symlink") as err:
+        startup.init_ray_for_run(engine, startup.spill_dir(tmp_path / "run"))
+    assert "\n" not in str(err.value)
+    assert list(elsewhere.iterdir()) == []
