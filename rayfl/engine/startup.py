@@ -151,7 +151,8 @@ def init_ray(
                 kwargs["object_store_memory"] = int(object_store_mb) * 2**20
             if spill_dir is not None:
                 Path(spill_dir).mkdir(parents=True, exist_ok=True)
-                # `ray.init`'s documented option (its docstring: a path to spill objects to)
+                # listed in `ray.init`'s docstring ("hidden / experimental" keywords), unlike
+                # `_system_config` ("testing only"); an unknown keyword would fail loudly
                 kwargs["object_spilling_directory"] = str(Path(spill_dir).resolve())
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as exc:
