@@ -7,13 +7,14 @@ A benchmark file is an experiment config plus a `bench:` section:
       floor: true               # also measure the compute floor (below)
       variants:                 # label -> dotted overrides
         ray: [engine.executor=ray]
-        grouped: [engine.executor=ray, engine.grouped=true]
+        small_calls: [engine.executor=ray, engine.clients_per_call=1]
 
 Every variant runs as its own process (`python -m rayfl.bench --variant ...`), exactly as a user's
 `rayfl run` would: its end-to-end time starts at the command and includes imports, Ray's start,
 data loading, actors, every round and the shutdown. While it runs, the driver's resident memory
 and the proportional memory (PSS) of every process it started (Ray's daemons and workers) are
-sampled; inside the run, a callback samples the object store's use.
+sampled; inside the run, a callback samples the shared memory in use (Ray's object store lives
+there) and the bytes spilled to disk (the run's spill folder).
 
 The compute floor of a variant with W workers: W single-thread processes without Ray, started
 together, that share the run's client trainings (every sampled client of every round, split
@@ -28,9 +29,11 @@ speed: it measures and prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,31 +168,39 @@ class TreeMemory:
 
 
 class StoreProbe(Callback):
-    """Callback (inside a variant's run): peak object-store use, sampled after every round."""
+    """Callback (inside a variant's run), sampled after every round: the peak growth of shared
+    memory in use since the run started (`/dev/shm`, where Ray's object store maps its objects;
+    other processes' use there shows too) and the peak bytes in `spill_dir` (what Ray spilled
+    to disk). Both from the operating system, not from Ray's internals."""
 
-    def __init__(self) -> None:
+    def __init__(self, spill_dir: str | Path) -> None:
+        self.spill_dir = Path(spill_dir)
+        self._shm_before = shared_memory_used()
         self.peak_bytes = 0.0
         self.spilled_bytes = 0.0
 
     def on_round_end(self, sim: Any, round_idx: int, metrics: dict[str, float]) -> None:
-        used, spilled = object_store_use()
-        self.peak_bytes = max(self.peak_bytes, used)
-        self.spilled_bytes = max(self.spilled_bytes, spilled)
+        self.peak_bytes = max(self.peak_bytes, shared_memory_used() - self._shm_before)
+        self.spilled_bytes = max(self.spilled_bytes, folder_bytes(self.spill_dir))
 
 
-def object_store_use() -> tuple[float, float]:
-    """(bytes in the object store now, bytes spilled so far) over the nodes; 0 without Ray."""
+def shared_memory_used(path: str = "/dev/shm") -> float:
+    """Bytes in use on the shared-memory file system (nan where there is none)."""
     try:
-        import ray
-        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return float("nan")
+    return float(usage.used)
 
-        if not ray.is_initialized():
-            return 0.0, 0.0
-        reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
-        stats = reply.store_stats
-        return float(stats.object_store_bytes_used), float(stats.spilled_bytes_total)
-    except Exception:  # private API: a measurement, never a failure
-        return float("nan"), float("nan")
+
+def folder_bytes(folder: Path) -> float:
+    """Bytes of the regular files under `folder` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return float(total)
 
 
 def run_floor(
@@ -237,6 +248,7 @@ def run_floor(
         "ray_peak_mb": float("nan"),
         "total_peak_mb": mem.others_peak / 2**20,
         "store_peak_mb": 0.0,
+        "spilled_mb": 0.0,
     }
 
 
@@ -323,10 +335,12 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
 
 def _variant_main(config_path: str, run_dir: str) -> None:
     """The child: `rayfl run` of the config, plus the object-store probe; writes bench.json."""
+    from rayfl.engine.startup import spill_dir
     from rayfl.launch import load_for_run, simulate
 
-    cfg, early = load_for_run(config_path)  # as `rayfl run` does: Ray starts before the check
-    probe = StoreProbe()
+    # as `rayfl run --out run_dir` does: Ray starts before the check, spilling under run_dir
+    cfg, early = load_for_run(config_path, run_dir=run_dir)
+    probe = StoreProbe(cfg.engine.spill_dir or spill_dir(run_dir))
     result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe], early=early)
     history = result.history
     report = {
@@ -393,7 +407,7 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         f"{'startup':>7s} {'in-run s':>8s} {'s/round':>8s} {'no-eval':>7s} {'eval s':>6s} "
         f"{'clients/s':>9s} {'train s':>8s} "
         f"{'overhead':>8s} {'server s':>8s} {'up MB':>7s} {'acc':>6s} "
-        f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'floor s':>8s} {'x floor':>7s}",
+        f"{'driver MB':>9s} {'ray MB':>8s} {'total MB':>8s} {'store MB':>8s} {'spill MB':>8s} {'floor s':>8s} {'x floor':>7s}",
     ]
     repeated: list[str] = []
     for label, r in results.items():
@@ -411,7 +425,7 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
             f"{r['per_round'] / r['round_s'] if r['round_s'] else float('nan'):9.1f} "
             f"{r['train_s']:8.1f} {r['overhead_s']:8.2f} {r['server_s']:8.2f} {r['up_mb']:7.3f} "
             f"{r['acc']:6.3f} {r['driver_peak_mb']:9.0f} {r['ray_peak_mb']:8.0f} "
-            f"{r['total_peak_mb']:8.0f} {r['store_peak_mb']:8.1f} {floor_s:8.1f} {ratio:7.2f}"
+            f"{r['total_peak_mb']:8.0f} {r['store_peak_mb']:8.1f} {r.get('spilled_mb', 0.0):8.1f} {floor_s:8.1f} {ratio:7.2f}"
         )
     if repeated:
         lines.append(
@@ -432,7 +446,9 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         "else (e2e: their start to the last exit; in-run: the longest share's training); floor s "
         "= the e2e of the floor with this variant's workers; x floor = e2e / floor s; ray MB = "
         "summed PSS of the processes the run started (Ray daemons, workers), peak; total = driver "
-        "+ ray (a floor: its processes); store = object store in use, peak"
+        "+ ray (a floor: its processes); store = shared memory (/dev/shm, Ray's object store) in "
+        "use, peak growth over the run; spill MB = bytes Ray spilled to disk (the run's "
+        "ray-spill folder or engine.spill_dir), peak: on disk, not in total MB"
     )
     return "\n".join(lines)
 
@@ -509,6 +525,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rayfl.cli import exit_now
+    from rayfl.launch import exit_now
 
     exit_now(main())  # as `rayfl` ends: the floor and the variants end alike

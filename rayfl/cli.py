@@ -6,22 +6,19 @@ Every error a user can cause ends in one line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rayfl.config import RunConfig, load_config
 from rayfl.errors import UserError
-from rayfl.launch import default_run_dir, load_for_run, simulate
+from rayfl.launch import default_run_dir, exit_now, load_for_run, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")
@@ -124,7 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
         path, overrides = Path(args.config), list(args.overrides)
         refuse_other_kinds(path)
-    cfg, early = load_for_run(path, overrides, resume=bool(args.resume))
+    cfg, early = load_for_run(
+        path, overrides, resume=bool(args.resume), run_dir=args.resume or args.out
+    )
     if not args.resume:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
@@ -496,24 +495,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def entry() -> NoReturn:
     """The `rayfl` command: `main`, then `exit_now`."""
     exit_now(main())
-
-
-def exit_now(code: int) -> NoReturn:
-    """End this process as the interpreter would, without its teardown: wait for the threads it
-    would wait for, run the `atexit` functions (logging, MLflow, Ray, temporary files), flush
-    stdout and stderr, exit. What is skipped is freeing every module and object one by one,
-    which after a run (torch, Ray, the dataset) takes 1.5-1.9 s of a 4-round benchmark on this
-    machine, against 0.1 s here. For the processes that run one command and exit: `rayfl` and
-    the benchmark's children; never inside a process that goes on."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 def _terminate(signum: int, frame: Any) -> None:

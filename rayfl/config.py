@@ -94,12 +94,6 @@ class EngineConfig:
     # the run starts its own local Ray (no `address`) and the server reserves nothing, else an
     # actor. Same numbers either way.
     server_in: Literal["auto", "driver", "actor"] = "auto"
-    # Whether the driver trains as one of the `num_workers` (a `ClientWorker` in this process
-    # taking clients from the round's queue beside the actors, so one actor fewer starts): `auto`
-    # when the run starts its own local Ray, the server runs in the driver, workers reserve no
-    # GPU, rounds have no deadline, there are at least 2 workers and a round makes few calls
-    # per worker (`DRIVER_TRAINS_MAX_CALLS`). Same numbers either way.
-    driver_trains: bool | Literal["auto"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     address: str | None = (
         None  # None: a private local Ray; "auto" or "ray://host:port": join a cluster
@@ -108,19 +102,13 @@ class EngineConfig:
     object_store_mb: int | None = (
         None  # object store of the private local Ray (None: Ray's default)
     )
-    spill_dir: str | None = None  # where a private local Ray spills objects (None: its temp dir)
-    # A private local Ray started without the dashboard server and the autoscaler's monitor,
-    # which one run on one node never uses (rayfl.engine.startup._lean_head): ~1 s sooner and
-    # ~1.5 CPU-s lighter on 2 cores. False: Ray's stock set of processes.
-    lean_ray: bool = True
+    # where a private local Ray spills objects (None: `ray-spill` in the run's own folder)
+    spill_dir: str | None = None
     # joined cluster (address set): how long to wait for the autoscaler to provide the workers
     # the run needs (engine.num_workers, else one) before giving up; 0: do not wait
     wait_for_resources_s: float = 600.0
     eval_every: int = 1
     clients_per_call: int = 4  # clients one worker trains per Ray call
-    # Train a call's clients of one architecture together, vectorized with torch.func (same
-    # numbers as one after another; see rayfl/engine/grouped.py for what a step may not do).
-    grouped: bool = False
     # Score the server's models on the server test set while the next round's clients train
     # (a separate Ray actor; same numbers, the row is completed when the score arrives).
     pipeline_eval: bool = True
@@ -390,6 +378,16 @@ def _number(value: float, key: str) -> Any:
     return value
 
 
+# Settings that no longer exist, and why (docs/performance.md, "Engine options and what they cost")
+REMOVED = {
+    "engine.driver_trains": "the driver no longer trains beside the workers' actors; delete the "
+    "key (engine.num_workers sets the workers)",
+    "engine.lean_ray": "a private Ray now starts with Ray's supported options only; delete the key",
+    "engine.grouped": "grouped (vectorized) client training was slower than the loop and is gone; "
+    "delete the key",
+}
+
+
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
     if data is None:
@@ -399,6 +397,8 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
+        if f"{prefix}{key}" in REMOVED:
+            raise ConfigError(f"{prefix}{key} was removed: {REMOVED[f'{prefix}{key}']}")
         if key not in fields:
             raise ConfigError(
                 f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
@@ -660,18 +660,6 @@ def check(cfg: RunConfig) -> None:
         "driver runs the server in the driver's process, which reserves nothing; set "
         "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
     )
-    require(
-        e.driver_trains is not True or e.worker_resources.num_gpus == 0,
-        "engine.driver_trains",
-        "true trains in the driver's process, which holds no GPU share; set "
-        "engine.driver_trains=false (or auto) to train on GPU workers",
-    )
-    require(
-        e.driver_trains is not True or e.round_timeout_s is None,
-        "engine.driver_trains",
-        "true cannot honour engine.round_timeout_s (a batch the driver trains cannot be "
-        "cancelled at the deadline); set engine.driver_trains=false (or auto)",
-    )
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
@@ -696,33 +684,6 @@ def server_in_driver(e: EngineConfig) -> bool:
         return e.server_in == "driver"
     res = e.server_resources
     return e.address is None and res.num_cpus == 0 and res.num_gpus == 0
-
-
-# `engine.driver_trains=auto` trains in the driver only while a round makes at most this many
-# calls per worker. The thread that feeds the actors shares the driver's GIL with its training:
-# with many short calls the actors wait for it between calls. At 1,000 clients per round
-# (`experiments/benchmarks/scale10k.yaml`, 25 per call, 2 workers: 20 calls per worker) the
-# steady round took 12.2-17.1 s with the driver training against 9.0 s without; at 100 per
-# round (2 calls) and on the 20-client benchmark (5) it was as fast or faster.
-DRIVER_TRAINS_MAX_CALLS = 8
-
-
-def driver_trains(e: EngineConfig, started_ray: bool, workers: int, per_round: int) -> bool:
-    """Whether the Ray executor's driver trains as one of its `workers` (`engine.driver_trains`;
-    `auto`: see the field) in rounds of `per_round` clients. `started_ray`: the run started its
-    own Ray (not a cluster or a Tune trial's, where the driver's CPU is not the run's to use)."""
-    if e.driver_trains != "auto":
-        return bool(e.driver_trains)
-    return (
-        started_ray
-        and e.address is None
-        and server_in_driver(e)
-        and e.worker_resources.num_gpus == 0
-        and e.device != "cuda"
-        and e.round_timeout_s is None
-        and workers >= 2
-        and per_round <= DRIVER_TRAINS_MAX_CALLS * e.clients_per_call * workers
-    )
 
 
 def ray_preview(

@@ -38,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from rayfl.errors import ConfigError, UserError
-from rayfl.registry import ALGORITHMS, DATASETS, MODELS, Registry, load_builtins, source
+from rayfl.registry import (
+    ALGORITHMS,
+    DATASETS,
+    MODELS,
+    Registry,
+    add_loader,
+    load_builtins,
+    source,
+)
 
 ENV = "RAYFL_PLUGINS"  # the plugins a Ray worker imports (JSON list), set through runtime_env
 KEY = "plugins"  # the experiment file's key
@@ -220,3 +228,8 @@ def setup_worker() -> None:
     """Ray's `worker_process_setup_hook`: import the driver's plugins in this worker process."""
     add(json.loads(os.environ.get(ENV, "[]")))
     load_builtins()
+
+
+# entry points first (once), then the plugins named since the last lookup
+add_loader(load_entry_points)
+add_loader(load_pending)

@@ -26,7 +26,18 @@ _BUILTIN_MODULES = (
     "rayfl.models.zoo",
     "rayfl.models.families",
     "rayfl.algorithms",
+    "rayfl.plugins",  # adds the loaders of entry points and named plugins (`add_loader`)
 )
+
+# Run after the built-ins on every `load_builtins` (rayfl.plugins adds its two at import): kept
+# as callables so that this module imports none of the modules that register entries.
+_loaders: list[Callable[[], None]] = []
+
+
+def add_loader(loader: Callable[[], None]) -> None:
+    """Call `loader` after the built-ins are registered, at every `load_builtins`."""
+    if loader not in _loaders:
+        _loaders.append(loader)
 
 
 # Who is registering now: "built-in", or the plugin being imported (`source`).
@@ -107,13 +118,11 @@ def load_builtins() -> None:
     """Import the modules that register rayfl's built-in entries and the installed entry points
     (once), then the plugins named since the last call (`rayfl.plugins`)."""
     global _loaded, _builtins_done
-    from rayfl import plugins
-
     if not _loaded:
         _loaded = True
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
-        plugins.load_entry_points()
         _builtins_done = True
     if _builtins_done:  # not while a built-in module's import looks an entry up
-        plugins.load_pending()
+        for loader in _loaders:
+            loader()

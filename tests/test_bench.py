@@ -131,6 +131,31 @@ def test_rounds_without_evaluation_and_the_evaluation_are_reported_apart():
     assert line.split()[7:10] == ["8.00", "5.00", "3.00"]
 
 
+def test_the_table_reports_what_spilled_to_disk_apart_from_memory():
+    result = report(30.0, 40.0, 2, [9.0, 5.0])
+    result["spilled_mb"] = 3900.0  # e.g. 10,000 clients' state beyond a 1 GB store
+    text = format_report("x.yaml", Bench({}, {}, 1), {"ray": result})
+    header = next(x for x in text.splitlines() if "store MB" in x).split()
+    line = next(x for x in text.splitlines() if x.split()[:1] == ["ray"]).split()
+    assert header[header.index("spill") - 1 : header.index("spill") + 2] == ["MB", "spill", "MB"]
+    assert line[-3] == "3900.0"  # spill MB, before floor s and x floor
+    assert "spill MB = bytes Ray spilled to disk" in text
+
+
+def test_the_store_probe_measures_the_spill_folder_on_disk(tmp_path):
+    from rayfl.bench import StoreProbe
+
+    probe = StoreProbe(tmp_path / "ray-spill")
+    probe.on_round_end(None, 1, {})
+    assert probe.spilled_bytes == 0.0  # nothing spilled yet: no folder
+    (tmp_path / "ray-spill" / "node").mkdir(parents=True)
+    (tmp_path / "ray-spill" / "node" / "obj").write_bytes(b"x" * 3000)
+    probe.on_round_end(None, 2, {})
+    (tmp_path / "ray-spill" / "node" / "obj").unlink()  # Ray deletes what it restored
+    probe.on_round_end(None, 3, {})
+    assert probe.spilled_bytes == 3000.0  # the peak
+
+
 def test_ratios_to_the_floor_of_the_same_worker_count_golden():
     results = {
         floor_label(1): floor_report(45.0, 40.0, 1),

@@ -50,7 +50,7 @@ def test_config_is_frozen(synthetic_raw):
         ("engine.executor=dask", "engine.executor: 'dask' is not allowed"),
         ("data.dataset=cifar11", "unknown dataset 'cifar11'"),
         ("engine.worker_resources.num_gpus=1.5", "fractions above 1 must be whole numbers"),
-        ("engine.driver_trains=maybe", "'maybe' is not allowed; choose one of true, false, auto"),
+        ("engine.server_in=maybe", "'maybe' is not allowed; choose one of auto, driver, actor"),
     ],
 )
 def test_bad_values_name_the_key(synthetic_raw, override, needle):
@@ -85,41 +85,16 @@ def test_where_auto_runs_the_server(synthetic_raw, overrides, in_driver):
     assert server_in_driver(build_config(synthetic_raw, overrides).engine) is in_driver
 
 
-@pytest.mark.parametrize(
-    ("overrides", "started_ray", "workers", "trains"),
-    [
-        ([], True, 2, True),  # a private local Ray on CPUs, the server in the driver
-        ([], False, 2, False),  # a Ray the run joined (a Tune trial's): the driver's CPU is not its
-        ([], True, 1, False),  # one worker: it stays an actor
-        (["engine.address=auto"], True, 2, False),
-        (["engine.server_in=actor"], True, 2, False),
-        (["engine.worker_resources.num_gpus=0.5"], True, 2, False),
-        (["engine.device=cuda"], True, 2, False),
-        (["engine.round_timeout_s=30"], True, 2, False),
-        (["engine.driver_trains=true"], False, 1, True),
-        (["engine.driver_trains=false"], True, 2, False),
-        # many calls per worker and round: the thread that feeds the actors would fall behind
-        (["engine.clients_per_call=1", "data.num_clients=16"], True, 2, True),  # 8 calls each
-        (["engine.clients_per_call=1", "data.num_clients=18"], True, 2, False),  # 9 calls each
-    ],
-)
-def test_where_auto_lets_the_driver_train(synthetic_raw, overrides, started_ray, workers, trains):
-    from rayfl.config import clients_per_round, driver_trains
-
-    cfg = build_config(synthetic_raw, overrides)
-    assert driver_trains(cfg.engine, started_ray, workers, clients_per_round(cfg)) is trains
-
-
-@pytest.mark.parametrize(
-    ("override", "needle"),
-    [
-        ("engine.worker_resources.num_gpus=0.5", "holds no GPU share"),
-        ("engine.round_timeout_s=30", "cannot honour engine.round_timeout_s"),
-    ],
-)
-def test_a_driver_that_trains_has_no_gpu_and_no_deadline(synthetic_raw, override, needle):
-    with pytest.raises(ConfigError, match=needle):
-        build_config(synthetic_raw, ["engine.driver_trains=true", override])
+@pytest.mark.parametrize("key", ["driver_trains", "lean_ray", "grouped"])
+def test_removed_engine_settings_are_refused_with_one_line_saying_so(synthetic_raw, key):
+    with pytest.raises(ConfigError) as info:
+        build_config(synthetic_raw, [f"engine.{key}=true"])
+    message = str(info.value)
+    assert message.startswith(f"engine.{key} was removed: ") and "delete the key" in message
+    assert "\n" not in message
+    synthetic_raw["engine"][key] = True  # in the file, too
+    with pytest.raises(ConfigError, match=f"engine.{key} was removed"):
+        build_config(synthetic_raw)
 
 
 def test_switching_algorithm_drops_the_files_other_settings(synthetic_raw):

@@ -121,7 +121,6 @@ def test_plugin_algorithm_runs_serial_and_on_ray_workers(tmp_path):
     ray_args = [
         "engine.executor=ray",
         "engine.num_workers=1",
-        "engine.driver_trains=false",  # the clients train in a worker actor, not here
         "engine.ray_num_cpus=2",
     ]
     proc = rayfl(

@@ -419,9 +419,9 @@ def _run_locked(
     finally:
         bar.close()
         if started_ray:
-            from rayfl.engine.startup import shutdown_ray
+            import ray
 
-            shutdown_ray()
+            ray.shutdown()
 
     rows = [s[0] for s in slots if s is not None]
     histories: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))

@@ -18,6 +18,7 @@ import numpy as np
 from rayfl.data.datasets import ArrayDataset
 from rayfl.errors import ConfigError, suggest
 from rayfl.registry import PARTITIONERS
+from rayfl.seeding import Purpose, rng_of, words
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,6 @@ CLASS_COUNTS_FILE = "class_counts.parquet"
 PUBLIC_CLIENT = -1
 
 # Independent random streams per stage, so e.g. changing test_fraction leaves the partition alone.
-_SUBSET_STREAM, _PUBLIC_STREAM, _SPLIT_STREAM = 1, 2, 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,10 +82,6 @@ class Federation:
         c = self.dataset.num_classes
         rows = [np.bincount(labels[getattr(s, split)], minlength=c) for s in self.clients]
         return np.stack(rows).astype(np.int64) if rows else np.zeros((0, c), dtype=np.int64)
-
-
-def _rng(seed: int, stream: int, *extra: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed), stream, *extra])
 
 
 def _check_partition_options(name: str, fn: Any, options: dict[str, Any]) -> None:
@@ -191,10 +187,12 @@ def build_federation(
                 f"data.train_samples: {train_samples} must be an integer between 1 and the "
                 f"{n} training samples of {dataset.name}"
             )
-        pool = np.sort(_rng(seed, _SUBSET_STREAM).choice(n, int(train_samples), replace=False))
+        pool = np.sort(
+            rng_of(words(Purpose.DATA_SUBSET, seed)).choice(n, int(train_samples), replace=False)
+        )
 
     # (2) the public split
-    order = _rng(seed, _PUBLIC_STREAM).permutation(pool)
+    order = rng_of(words(Purpose.DATA_PUBLIC, seed)).permutation(pool)
     n_public = round(public_fraction * len(pool))
     public = np.sort(order[:n_public]).astype(np.int64)
     private = np.sort(order[n_public:]).astype(np.int64)
@@ -205,7 +203,12 @@ def build_federation(
     # (4) per-client stratified train/test split; each client has its own stream so one client's
     # split does not depend on the others'.
     clients = tuple(
-        _split_client(private[part], dataset.y_train, test_fraction, _rng(seed, _SPLIT_STREAM, cid))
+        _split_client(
+            private[part],
+            dataset.y_train,
+            test_fraction,
+            rng_of(words(Purpose.DATA_SPLIT, seed, client=cid)),
+        )
         for cid, part in enumerate(parts)
     )
     fed = Federation(dataset=dataset, clients=clients, public=public)

@@ -32,10 +32,11 @@ from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.background import Background
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored
-from rayfl.engine.executor import Executor, make_executor
+from rayfl.engine.early import EarlyRay
+from rayfl.engine.executor import Executor, SerialExecutor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
-from rayfl.engine.startup import EarlyRay, StartupClock
+from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
@@ -167,6 +168,15 @@ def _baseline_summary(scored: list[ClientMetrics], personal_acc: float) -> dict[
     return out
 
 
+def make_executor(spec: RunSpec, federation: Federation) -> Executor:
+    """The executor `engine.executor` names (Ray's imported only when it is chosen)."""
+    if spec.engine.executor == "serial":
+        return SerialExecutor(spec, federation)
+    from rayfl.engine.ray_executor import RayExecutor
+
+    return RayExecutor(spec, federation)
+
+
 class Simulation:
     """One federated simulation: data, executor and the round loop, driven by callbacks."""
 
@@ -195,7 +205,8 @@ class Simulation:
             self.clock.mark("imports")
             # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
             if self._early is None and cfg.engine.executor == "ray":
-                self._early = EarlyRay(cfg.engine, self.per_round, self.clock)
+                spill = spill_dir(self.run_dir)
+                self._early = EarlyRay(cfg.engine, self.per_round, self.clock, spill_dir=spill)
             with self.clock.phase("data_load"):
                 self.federation = prepare_federation(cfg)
             dataset = self.federation.dataset
@@ -216,6 +227,8 @@ class Simulation:
         self.executor: Executor | None = None
         self._pending: _Pending | None = None
         self._stop = False
+        # client -> (digest of the payload it was scored with, its evaluation row)
+        self._scores: dict[int, tuple[str, ClientMetrics]] = {}
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -311,10 +324,12 @@ class Simulation:
         server_s = time.perf_counter() - server_start
         eval_rows: list[ClientMetrics] | None = None
         eval_start = time.perf_counter()
+        for fitted in client_rows:  # their states were replaced: their last scores are stale
+            self._scores.pop(fitted["client"], None)
         if evaluate and deployed:
             # the broadcast after round rnd's server step: what every client would act on now
             _, new_payloads = ex.broadcast(rnd, sorted(set(self.archs)))
-            eval_rows = ex.evaluate(rnd, range(cfg.data.num_clients), new_payloads)
+            eval_rows = self._evaluate_deployed(rnd, new_payloads)
         eval_s = time.perf_counter() - eval_start
         bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
@@ -336,6 +351,23 @@ class Simulation:
         if handle is None:
             self._finish_pending()
         return row
+
+    def _evaluate_deployed(self, rnd: int, payloads: dict[str, Any]) -> list[ClientMetrics]:
+        """Every registered client's score of its deployed model given `payloads`.
+
+        A client that has not trained since its last score (same state) and whose architecture's
+        payload is the same as then keeps that score: the same deployed model on the same test
+        split, scored without randomness, gives the same numbers (tested). This relies on
+        `Client.deployed_model` depending on the state and the payload, not on the round."""
+        assert self.executor is not None
+        digests = self.executor.payload_digests(payloads)
+        kept = [row for digest, row in self._scores.values() if digests[row["arch"]] == digest]
+        known = {row["client"] for row in kept}
+        todo = [c for c in range(self.cfg.data.num_clients) if c not in known]
+        fresh = self.executor.evaluate(rnd, todo, payloads) if todo else []
+        for row in fresh:
+            self._scores[row["client"]] = (digests[row["arch"]], row)
+        return [*kept, *fresh]
 
     def _finish_pending(self) -> bool:
         """Complete the waiting round's row with its server evaluation, record it and run the

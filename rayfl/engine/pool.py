@@ -2,7 +2,7 @@
 and their start (`start_workers`).
 
 Importing this module imports Ray and nothing heavier (no torch): the thread that starts a
-run's private Ray (`rayfl.engine.startup.EarlyRay`) starts the actors as soon as Ray is up, so
+run's private Ray (`rayfl.engine.early.EarlyRay`) starts the actors as soon as Ray is up, so
 their processes import torch while the driver imports it too, not after.
 """
 
@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rayfl.config import EngineConfig, driver_trains
+from rayfl.config import EngineConfig
 from rayfl.errors import UserError
 
 if TYPE_CHECKING:
     from rayfl.algorithms.base import Payload
-    from rayfl.data.federated import Federation
-    from rayfl.engine.spec import RunSpec
     from rayfl.engine.worker import ClientMetrics, ClientRunner
 
 log = logging.getLogger(__name__)
@@ -31,34 +29,42 @@ log = logging.getLogger(__name__)
 
 class ClientWorker:
     """Ray actor around a `rayfl.engine.worker.ClientRunner`; created with
-    `ray.remote(ClientWorker).options(...)` (`start_workers`), or in-process for a driver that
-    trains (`engine.driver_trains`)."""
+    `ray.remote(ClientWorker).options(...)` (`start_workers`).
+
+    Every call carries `setup`, `[ObjectRef of the RunSpec, ObjectRef of the Federation]` (in a
+    list, so Ray does not resolve them for each call): an actor that Ray restarted after a
+    crash (`max_restarts`) comes back without its runner and builds it from them before it
+    re-runs the call (`max_task_retries`). The client states travel with the call, so the
+    re-run gives the same numbers."""
 
     runner: ClientRunner
 
-    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
-        # Started without them, the process imports torch while the driver imports it and loads
-        # the data; `setup` then completes it (rayfl.engine.startup).
+    def __init__(self) -> None:
+        # Started without spec and data, the process imports torch while the driver imports it
+        # and loads the data; the first call then sets it up (rayfl.engine.early).
         import rayfl.engine.worker  # noqa: F401
 
-        if spec is not None and federation is not None:
-            self.setup(spec, federation)
-
-    def setup(self, spec: RunSpec, federation: Federation) -> None:
+    def setup(self, setup: list[Any]) -> None:
+        """Build the runner from `setup` unless it is built."""
+        if getattr(self, "runner", None) is not None:
+            return
         from rayfl.engine.spec import resolve_device
         from rayfl.engine.worker import ClientRunner
 
+        spec, federation = ray.get(setup)
         # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
         self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
 
     def fit(
         self,
+        setup: list[Any],
         round_idx: int,
         client_ids: list[int],
         payload_refs: dict[str, Any],
         evaluate: bool,
         *states: Payload | None,
     ) -> tuple[Any, ...]:
+        self.setup(setup)
         keys = list(payload_refs)
         values = ray.get([payload_refs[k] for k in keys]) if keys else []
         metrics, replies, new_states = self.runner.fit(
@@ -68,18 +74,21 @@ class ClientWorker:
 
     def evaluate(
         self,
+        setup: list[Any],
         round_idx: int,
         client_ids: list[int],
         payload_refs: dict[str, Any],
         *states: Payload | None,
     ) -> list[ClientMetrics]:
+        self.setup(setup)
         keys = list(payload_refs)
         values = ray.get([payload_refs[k] for k in keys]) if keys else []
         return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
 
-    def info(self) -> dict[str, Any]:
+    def info(self, setup: list[Any]) -> dict[str, Any]:
         import torch
 
+        self.setup(setup)
         ctx = ray.get_runtime_context()
         return {
             "pid": os.getpid(),
@@ -99,27 +108,28 @@ class ClientWorker:
 
 @dataclass
 class WorkerPool:
-    """What `start_workers` started: `num_workers` workers, the driver one of them when
-    `driver_trains`, the others `actors` of class `cls` (a new one replaces one that died)."""
+    """What `start_workers` started: `num_workers` actors of class `cls`."""
 
     num_workers: int
-    driver_trains: bool
     cls: Any
     actors: list[Any]
 
 
-def start_workers(e: EngineConfig, per_round: int, started_ray: bool) -> WorkerPool:
+def start_workers(e: EngineConfig, per_round: int) -> WorkerPool:
     """Plan the run's workers and create their actors, without their spec and data (each
-    process imports torch meanwhile; `ClientWorker.setup` follows)."""
+    process imports torch meanwhile; the first call sets it up).
+
+    Ray restarts a worker that dies (`max_restarts=-1`: as often as needed) and re-runs the
+    call it was running up to `engine.max_retries` times (`max_task_retries`); a call that
+    fails more often surfaces as `RayActorError` (rayfl.engine.ray_executor)."""
     num_workers = plan_workers(e, per_round)
-    trains = driver_trains(e, started_ray, num_workers, per_round)
     cls = ray.remote(ClientWorker).options(
         num_cpus=e.worker_resources.num_cpus,
         num_gpus=e.worker_resources.num_gpus,
-        max_restarts=0,
+        max_restarts=-1,
+        max_task_retries=e.max_retries,
     )
-    actors = [cls.remote() for _ in range(num_workers - 1 if trains else num_workers)]
-    return WorkerPool(num_workers, trains, cls, actors)
+    return WorkerPool(num_workers, cls, [cls.remote() for _ in range(num_workers)])
 
 
 def _capacity(e: EngineConfig, total: dict[str, float]) -> int:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from rayfl.engine.spec import SAMPLE
+from rayfl.seeding import Purpose, rng_of, words
 
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, per_round: int) -> list[int]:
@@ -13,5 +11,5 @@ def sample_clients(seed: int, round_idx: int, num_clients: int, per_round: int) 
         raise ValueError(f"cannot sample {per_round} of {num_clients} clients")
     if per_round == num_clients:
         return list(range(num_clients))
-    rng = np.random.default_rng([seed, round_idx, SAMPLE])
+    rng = rng_of(words(Purpose.SAMPLE, seed, round_idx))
     return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))

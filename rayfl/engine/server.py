@@ -20,17 +20,11 @@ from torch import nn
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
 from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import (
-    SERVER,
-    RunSpec,
-    derive_seed,
-    keep_tensor_memory,
-    resolve_device,
-    torch_threads,
-)
+from rayfl.engine.spec import RunSpec, keep_tensor_memory, resolve_device, torch_threads
 from rayfl.engine.training import ArrayBatches, Step, accuracy, eval_batch_size, fit_tensors
 from rayfl.errors import UserError
 from rayfl.models.base import place
+from rayfl.seeding import Purpose, seed_of, server_data_words, words
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +112,7 @@ class ServerRunner:
         keep_tensor_memory()  # for the process it runs in: an actor's or the driver
         self.spec = spec
         self.device = device
-        torch.manual_seed(derive_seed(spec.seed, SERVER))
+        torch.manual_seed(seed_of(words(Purpose.SERVER, spec.seed)))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
         self._sent: dict[str, Payload] = {}
@@ -168,8 +162,8 @@ class ServerRunner:
             metrics.update(privacy_metrics)
         rnd = self.spec.round_context(round_idx)
         metrics.update(self.server.aggregate(valid, rnd))
-        torch.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER))
-        self.data.generator.manual_seed(derive_seed(self.spec.seed, round_idx, SERVER, 1))
+        torch.manual_seed(seed_of(words(Purpose.SERVER, self.spec.seed, round_idx)))
+        self.data.generator.manual_seed(seed_of(server_data_words(self.spec.seed, round_idx)))
         metrics.update(self.server.update(self.data, rnd))
         if evaluate:
             metrics.update(self.score(self._scored_copies()))

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from rayfl.algorithms.base import (
@@ -20,14 +19,6 @@ from rayfl.algorithms.base import (
 from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
 from rayfl.registry import ALGORITHMS
-
-# Tags that keep the random streams of different purposes apart.
-INIT, TRAIN, SERVER, SAMPLE, EVAL = 1, 2, 3, 4, 5
-
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed from integers, e.g. (seed, round, client id, purpose): independent of workers."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 @dataclass(frozen=True)

@@ -9,25 +9,18 @@ uses the same runner in-process, which is why both executors give the same numbe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import (
-    EVAL,
-    INIT,
-    TRAIN,
-    RunSpec,
-    derive_seed,
-    keep_tensor_memory,
-    torch_threads,
-)
+from rayfl.engine.spec import RunSpec, keep_tensor_memory, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.models.base import place
 from rayfl.registry import ALGORITHMS
+from rayfl.seeding import Purpose, seed_of, words
 
 ClientMetrics = dict[str, Any]
 BASELINE = "baseline/"  # prefix of the local-only shadow's keys in a client's state
@@ -44,7 +37,6 @@ class ClientRunner:
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
         self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
-        self._spares: dict[tuple[str, int], Client] = {}  # more instances, for grouped training
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -54,20 +46,15 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(
-        self, arch: str, client_id: int, algorithm: str | None = None, slot: int = 0
-    ) -> Client:
+    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
-        torch.manual_seed(derive_seed(self.spec.seed, client_id, INIT))
+        torch.manual_seed(seed_of(words(Purpose.INIT, self.spec.seed, client=client_id)))
         if algorithm is None:
             client = self._algo.client(
                 self.spec.client_context(arch, self.device), self.spec.params
             )
-            if slot:
-                self._spares[(arch, slot)] = client
-            else:
-                self._clients[arch] = client
+            self._clients[arch] = client
         else:
             algo = ALGORITHMS.get(algorithm)
             client = algo.client(self.spec.client_context(arch, self.device), algo.params())
@@ -76,18 +63,12 @@ class ClientRunner:
             place(module, self.device)
         return client
 
-    def _trainer(
-        self,
-        round_idx: int,
-        cid: int,
-        make: Callable[..., LocalTrainer] = LocalTrainer,
-        purpose: int = TRAIN,
-    ) -> LocalTrainer:
+    def _trainer(self, round_idx: int, cid: int, purpose: Purpose = Purpose.TRAIN) -> LocalTrainer:
         """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
-        seed = derive_seed(self.spec.seed, round_idx, cid, purpose)
+        seed = seed_of(words(purpose, self.spec.seed, round_idx, cid))
         torch.manual_seed(seed)
         split = self.federation.clients[cid]
-        return make(
+        return LocalTrainer(
             self.federation.dataset,
             split.train,
             split.test,
@@ -114,7 +95,7 @@ class ClientRunner:
             for cid, state in zip(client_ids, states):
                 arch = self.spec.archs[cid]
                 client = self.client_for(cid, state)
-                trainer = self._trainer(round_idx, cid, purpose=EVAL)
+                trainer = self._trainer(round_idx, cid, purpose=Purpose.EVAL)
                 model = client.deployed_model(payloads.get(arch, {}), rnd)
                 row: ClientMetrics = {"client": cid, "arch": arch}
                 row.update(evaluate_client(client, trainer, model))
@@ -134,42 +115,27 @@ class ClientRunner:
         evaluate: bool,
     ) -> tuple[list[ClientMetrics], list[Reply], list[Payload]]:
         """Run one round for `client_ids`: load state, receive, fit, upload, evaluate, save state."""
-        with torch_threads(self.spec.num_threads):
-            return self._fit(round_idx, client_ids, payloads, states, evaluate)
-
-    def _fit(
-        self,
-        round_idx: int,
-        client_ids: Sequence[int],
-        payloads: Mapping[str, Payload],
-        states: Sequence[Payload | None],
-        evaluate: bool,
-    ) -> tuple[list[ClientMetrics], list[Reply], list[Payload]]:
         metrics: list[ClientMetrics] = []
         replies: list[Reply] = []
         new_states: list[Payload] = []
-        if self.spec.engine.grouped:
-            from rayfl.engine.grouped import fit_grouped
-
-            return fit_grouped(self, round_idx, client_ids, payloads, states, evaluate)
-        for cid, state in zip(client_ids, states):
-            client = self.client_for(cid, state)
-            row, reply, new_state = self.client_round(
-                client, cid, round_idx, payloads, evaluate, state=state
-            )
-            metrics.append(row)
-            replies.append(reply)
-            new_states.append(new_state)
+        with torch_threads(self.spec.num_threads):
+            for cid, state in zip(client_ids, states):
+                client = self.client_for(cid, state)
+                row, reply, new_state = self.client_round(
+                    client, cid, round_idx, payloads, evaluate, state=state
+                )
+                metrics.append(row)
+                replies.append(reply)
+                new_states.append(new_state)
         return metrics, replies, new_states
 
-    def client_for(self, cid: int, state: Payload | None, slot: int = 0) -> Client:
+    def client_for(self, cid: int, state: Payload | None) -> Client:
         """The client half for `cid` with its state loaded: a fresh one for a new client, else
-        the cached instance of its architecture (`slot` > 0: another one, for grouped training)."""
+        the cached instance of its architecture."""
         arch = self.spec.archs[cid]
         if state is None:
-            return self._fresh_client(arch, cid, slot=slot)
-        cached = self._spares.get((arch, slot)) if slot else self._clients.get(arch)
-        client = cached or self._fresh_client(arch, cid, slot=slot)
+            return self._fresh_client(arch, cid)
+        client = self._clients.get(arch) or self._fresh_client(arch, cid)
         client.load_state_dict(state)
         return client
 
@@ -180,13 +146,12 @@ class ClientRunner:
         round_idx: int,
         payloads: Mapping[str, Payload],
         evaluate: bool,
-        make_trainer: Callable[..., LocalTrainer] = LocalTrainer,
         state: Payload | None = None,
     ) -> tuple[ClientMetrics, Reply, Payload]:
         """One client's round: receive, fit, upload, evaluate, save state (`state`: the one it
         started from, for the local-only shadow)."""
         arch = self.spec.archs[cid]
-        trainer = self._trainer(round_idx, cid, make_trainer)
+        trainer = self._trainer(round_idx, cid)
         client.receive(payloads.get(arch, {}), self.spec.round_context(round_idx))
         start = time.perf_counter()
         train_metrics = client.fit(trainer)

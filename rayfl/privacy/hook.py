@@ -34,13 +34,13 @@ from rayfl.algorithms.base import Algorithm, Payload, Reply
 from rayfl.config import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.errors import ConfigError, UserError
 from rayfl.privacy import dp, secagg
+from rayfl.seeding import Purpose, seed_of, words
 
 log = logging.getLogger(__name__)
 
 FORMS = ("weighted_mean", "class_means")
 MASKED = "secagg/masked"  # the one key of a masked upload
 PLAIN = "privacy/vector"  # the one key of a clipped but unmasked upload (DP without SecAgg)
-PRIVACY = 5  # purpose tag of the privacy random streams (beside rayfl.engine.spec's tags)
 # Server options that act on each client's upload separately, which protections hide.
 PER_CLIENT_OPTIONS = ("weight_cap", "clip_update")
 
@@ -83,12 +83,6 @@ def hook_for(algo: Algorithm, cfg: RunConfig) -> PrivacyHook | None:
     form = sum_form(algo, cfg.algorithm.params)
     assert form is not None
     return PrivacyHook(cfg.privacy, form, cfg.seed, cfg.data.num_clients, clients_per_round(cfg))
-
-
-def derive(*parts: int) -> int:
-    from rayfl.engine.spec import derive_seed
-
-    return derive_seed(*parts)
 
 
 class Layout:
@@ -234,7 +228,9 @@ class PrivacyHook:
         sa = self.cfg.secagg
         ring = secagg.encode(vec, sa.frac_bits, self.per_round)
         masked = self._secagg(round_idx).mask(client_id, ring)
-        rng = np.random.default_rng(derive(self.seed, round_idx, client_id, PRIVACY))
+        rng = np.random.default_rng(
+            seed_of(words(Purpose.PRIVACY, self.seed, round_idx, client_id))
+        )
         if sa.dropout > 0 and rng.random() < sa.dropout:
             return {}  # lost after masking: the server must recover
         return {MASKED: masked}
@@ -265,7 +261,9 @@ class PrivacyHook:
         if self.cfg.dp.enabled:
             d = self.cfg.dp
             total = total + dp.gaussian_noise(
-                total.size, d.noise_multiplier * d.clip, derive(self.seed, round_idx, PRIVACY)
+                total.size,
+                d.noise_multiplier * d.clip,
+                seed_of(words(Purpose.PRIVACY, self.seed, round_idx)),
             )
             metrics["privacy/epsilon"] = dp.epsilon(
                 d.noise_multiplier, self.sampling_rate, round_idx, d.delta, d.accountant

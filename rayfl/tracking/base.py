@@ -15,8 +15,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from rayfl.errors import ConfigError, suggest
-
 BACKENDS = ("mlflow", "stdout", "none")
 STATUSES = ("FINISHED", "FAILED", "KILLED")
 
@@ -154,55 +152,3 @@ def default_tracking_uri() -> str:
     if uri:
         return uri
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
-
-
-def make_tracker(
-    backend: str,
-    *,
-    experiment: str,
-    run_name: str | None = None,
-    tracking_uri: str | None = None,
-    parent_run_id: str | None = None,
-    tags: Mapping[str, str] | None = None,
-    run_id: str | None = None,
-) -> Tracker:
-    """Build the tracker named by the config key ``tracking.backend``.
-
-    Args:
-        backend: ``"mlflow"``, ``"stdout"`` or ``"none"``.
-        experiment: Experiment name (MLflow creates it on first use).
-        run_name: Display name of the run.
-        tracking_uri: MLflow store; defaults to :func:`default_tracking_uri`.
-        parent_run_id: Nest this run under another (a sweep's parent run).
-        tags: Tags set when the run is created.
-        run_id: Continue this MLflow run (a resumed simulation) instead of starting one.
-
-    Returns:
-        A started tracker; call ``close()`` when the run ends.
-
-    Raises:
-        ConfigError: ``backend`` is not a known backend.
-    """
-    if backend == "mlflow":
-        from rayfl.tracking.mlflow import MlflowTracker
-
-        return MlflowTracker(
-            experiment=experiment,
-            run_name=run_name,
-            tracking_uri=tracking_uri or default_tracking_uri(),
-            parent_run_id=parent_run_id,
-            tags=tags,
-            run_id=run_id,
-        )
-    if backend == "stdout":
-        from rayfl.tracking.stdout import StdoutTracker
-
-        return StdoutTracker(experiment=experiment, run_name=run_name, tags=tags)
-    if backend == "none":
-        from rayfl.tracking.null import NullTracker
-
-        return NullTracker()
-    raise ConfigError(
-        f"tracking.backend: unknown backend {backend!r}{suggest(backend, BACKENDS)}; "
-        f"choose one of {', '.join(BACKENDS)}"
-    )

@@ -121,7 +121,9 @@ def sweep_and_report(
     path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
 ) -> tuple[SweepResult, str]:
     """`run_sweep`, also returning the structured result."""
-    from rayfl.engine.startup import init_ray, shutdown_ray
+    import ray
+
+    from rayfl.engine.startup import init_ray
 
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
@@ -131,7 +133,7 @@ def sweep_and_report(
         result = _run(sweep, out_dir, strict_fit=started and not e.address)
     finally:
         if started:
-            shutdown_ray()
+            ray.shutdown()
     return result, format_results(result)
 
 

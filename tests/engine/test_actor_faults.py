@@ -5,7 +5,6 @@ import pytest
 import ray
 
 from rayfl.config import build_config
-from rayfl.engine import executor as executor_mod
 from rayfl.engine import startup
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.loop import Simulation
@@ -63,12 +62,69 @@ def test_workers_that_do_not_start_in_time_are_one_line(ray_local, synthetic_raw
     assert "\n" not in str(err.value)
 
 
-def test_a_ray_start_up_failure_is_one_line_with_the_fix(monkeypatch):
-    def timeout(**kwargs):
-        raise RuntimeError("Timed out after 60 seconds waiting for the GCS to start.\nmore")
+# What Ray 2.60 raises when its local start fails: a bare Exception for the node's start-up
+# timeout, RuntimeError for a GCS that did not come up or a raylet that died, ConnectionError
+# for a raylet socket that never answered.
+START_FAILURES = [
+    Exception(
+        "The current node timed out during startup. This could happen because some of the "
+        "Ray processes failed to startup.\nmore"
+    ),
+    RuntimeError("Timed out after 60 seconds waiting for the GCS to start.\nmore"),
+    RuntimeError("Failed to start the raylet. The raylet process exited with code -6.\nmore"),
+    ConnectionError("Could not connect to socket /tmp/ray/session_x/sockets/raylet\nmore"),
+]
 
-    monkeypatch.setattr(executor_mod.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(executor_mod.ray, "init", timeout)
+
+@pytest.mark.parametrize("failure", START_FAILURES, ids=lambda e: type(e).__name__)
+def test_a_ray_start_up_failure_is_one_line_with_the_fix(monkeypatch, failure):
+    def fail(**kwargs):
+        raise failure
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fail)
     with pytest.raises(UserError, match="could not start a local Ray") as err:
         startup.init_ray(None, 2)
-    assert "\n" not in str(err.value) and "engine.executor=serial" in str(err.value)
+    message = str(err.value)
+    assert "\n" not in message and "engine.executor=serial" in message
+    assert str(failure).splitlines()[0][:40] in message  # Ray's own reason, first line
+
+
+def test_rayfl_run_reports_a_failed_ray_start_in_one_line(
+    monkeypatch, tmp_path, synthetic_raw, capsys
+):
+    # `rayfl run` starts Ray in a thread before it checks the config: the failure travels to the
+    # main thread and ends as the CLI's one line, exit code 2, no traceback.
+    import yaml
+
+    from rayfl.cli import main
+
+    def fail(**kwargs):
+        raise START_FAILURES[0]
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fail)
+    synthetic_raw["engine"].update(executor="ray", rounds=1)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(synthetic_raw))
+    code = main(["run", str(config), "--out", str(tmp_path / "r"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("rayfl: error: could not start a local Ray")
+    assert "timed out during startup" in err[0]
+
+
+def test_a_symlinked_spill_folder_in_the_run_directory_is_refused(tmp_path, synthetic_raw):
+    # A run directory is untrusted (a resumed one may come from elsewhere): Ray must not spill
+    # objects through a link to another place. Refused before Ray starts.
+    from rayfl.config import build_config as build
+
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ray-spill").symlink_to(elsewhere)
+    engine = build(synthetic_raw, ["engine.executor=ray"]).engine
+    with pytest.raises(UserError, match="ray-spill is a symlink") as err:
+        startup.init_ray_for_run(engine, startup.spill_dir(tmp_path / "run"))
+    assert "\n" not in str(err.value)
+    assert list(elsewhere.iterdir()) == []

@@ -74,3 +74,56 @@ def test_summarize_scores_only_the_evaluated_rows():
     assert out["personal/acc"] == pytest.approx(0.875)
     assert out["personal/acc_mean"] == pytest.approx(0.75)
     assert out["eval/clients"] == 2.0 and out["train/loss"] == 2.0
+
+
+def _recording(monkeypatch, fresh_digests: bool):
+    """Record which clients each deployed evaluation scores; `fresh_digests`: every payload
+    looks new, so every client is scored again (what the loop did before it kept scores)."""
+    import itertools
+
+    from rayfl.engine.executor import SerialExecutor
+
+    scored: list[list[int]] = []
+    evaluate = SerialExecutor.evaluate
+
+    def recording(self, round_idx, client_ids, payloads):
+        scored.append(list(client_ids))
+        return evaluate(self, round_idx, client_ids, payloads)
+
+    monkeypatch.setattr(SerialExecutor, "evaluate", recording)
+    if fresh_digests:
+        counter = itertools.count()
+        monkeypatch.setattr(
+            SerialExecutor, "payload_digests", lambda self, p: {a: str(next(counter)) for a in p}
+        )
+    return scored
+
+
+def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
+    synthetic_raw, monkeypatch
+):
+    # `local` broadcasts nothing: a client that did not train since its last score deploys the
+    # same model, and is not scored again. The rows are those of scoring everyone every round.
+    overrides = ["algorithm.name=local", "engine.clients_per_round=2", "engine.rounds=4"]
+    scored = _recording(monkeypatch, fresh_digests=True)
+    _, everyone = simulate(synthetic_raw, overrides)
+    assert all(sorted(s) == list(range(6)) for s in scored)
+    monkeypatch.undo()
+    scored = _recording(monkeypatch, fresh_digests=False)
+    sim, kept = simulate(synthetic_raw, overrides)
+    comparable = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in everyone]
+    assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in kept] == comparable
+    assert sorted(scored[0]) == list(range(6))  # round 1: nothing scored yet
+    from rayfl.engine.sampling import sample_clients
+
+    for rnd, clients in enumerate(scored[1:], start=2):
+        # only this round's participants are scored again
+        assert sorted(clients) == sample_clients(sim.cfg.seed, rnd, 6, 2)
+    assert all(row["eval/clients"] == 6.0 for row in kept)
+
+
+def test_a_changed_payload_scores_every_client_again(synthetic_raw, monkeypatch):
+    # pFedES broadcasts its proxy, which the round's step changed: every deployed model changed
+    scored = _recording(monkeypatch, fresh_digests=False)
+    simulate(synthetic_raw, ["engine.clients_per_round=2", "engine.rounds=3"])
+    assert [sorted(s) for s in scored] == [list(range(6))] * 3

@@ -127,7 +127,7 @@ class _Calls:
 
 def record_clients_evaluate(monkeypatch, calls):
     """Append "clients evaluate" to `calls` whenever the Ray executor's evaluation phase runs."""
-    from rayfl.engine.executor import RayExecutor
+    from rayfl.engine.ray_executor import RayExecutor
 
     evaluate = RayExecutor.evaluate
 
@@ -144,7 +144,7 @@ def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
 ):
     """The server runs one call at a time: its last scoring is submitted after the broadcast
     that the clients' deployed evaluation needs, so the two evaluations run side by side."""
-    from rayfl.engine.executor import RayExecutor
+    from rayfl.engine.ray_executor import RayExecutor
 
     calls: list[str] = []
     attach = RayExecutor.attach
@@ -168,7 +168,7 @@ def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients
     """In the driver, the scoring of every round but the last starts with the step (it runs
     while the next round trains); the last one's starts after the deployed evaluation's
     broadcast and runs while the clients evaluate. Neither starts an actor."""
-    from rayfl.engine import executor as executor_mod
+    from rayfl.engine import ray_executor as executor_mod
 
     calls: list[str] = []
 

@@ -80,16 +80,18 @@ def test_a_config_error_found_while_ray_starts_launches_no_actors(monkeypatch, s
     # not start the actors' processes only to stop them.
     import ray
 
-    import rayfl.engine.executor as executor
+    import rayfl.engine.early as early_mod
+    import rayfl.engine.ray_executor as executor
     from rayfl.engine import startup
 
     launched: list[bool] = []
     # as in `rayfl run`, where a thread starts Ray
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(startup, "init_ray", lambda *a, **k: False)  # joined: nothing to stop
+    # joined: nothing to stop
+    monkeypatch.setattr(early_mod, "init_ray_for_run", lambda *a, **k: False)
     monkeypatch.setattr(executor.RayExecutor, "launch", lambda *a, **k: launched.append(True))
     engine = build_config(synthetic_raw, ["engine.executor=ray"]).engine
-    early = startup.EarlyRay(engine, 2, startup.StartupClock(), imported=False)
+    early = early_mod.EarlyRay(engine, 2, startup.StartupClock(), imported=False)
     early.cancel()
     assert launched == [] and early.executor is None and early.error is None
 
@@ -153,75 +155,49 @@ def _probe(script: str, *args: str, cwd: Path) -> dict:
 
 _SHUTDOWN_PROBE = """
 import json, os, sys, psutil, ray
-from rayfl.engine.startup import _MONITOR_SCRIPT, descendants_running, init_ray, shutdown_ray
+from rayfl.engine.startup import init_ray
 
-assert init_ray(None, 1, lean=sys.argv[1] == "lean")
-before = descendants_running(_MONITOR_SCRIPT)
-dashboards = len(descendants_running("dashboard/dashboard.py"))
-agents = [  # what the raylet starts its node agent with
-    next(a for a in p.cmdline() if a.startswith("--dashboard_agent_command="))
-    for p in descendants_running(os.path.join("raylet", "raylet"))
-]
-deps_imported = "ray.dashboard.optional_deps" in sys.modules
+spill = os.path.join(sys.argv[1], "run", "ray-spill")
+assert init_ray(None, 1, object_store_mb=80, spill_dir=spill)
 @ray.remote
 def one():
     return 1
 assert ray.get(one.remote()) == 1
-worker_niceness = ray.get(ray.remote(lambda: os.nice(0)).remote())
-connect_ms = ray._private.state.state.get_system_config()["raylet_client_connect_timeout_milliseconds"]
-alive_at_shutdown = []
-shutdown = ray.shutdown
-def recording_shutdown(*a, **kw):
-    alive_at_shutdown.extend(p.pid for p in before if p.is_running() and p.status() != "zombie")
-    shutdown(*a, **kw)
-ray.shutdown = recording_shutdown
-shutdown_ray()
-left = [p.pid for p in psutil.Process().children(recursive=True)]
-print(json.dumps({"monitors": len(before), "dashboards": dashboards, "connect_ms": connect_ms,
-                  "agents": len(agents), "minimal": sum("--minimal" in a.split() for a in agents),
-                  "deps_imported": deps_imported, "niceness": [os.nice(0), worker_niceness],
-                  "alive": alive_at_shutdown,
-                  "left": left}))
+# more than the 80 MB store holds at once: Ray spills the rest to `spill`
+refs = [ray.put(b"x" * 30 * 2**20) for _ in range(5)]
+spilled = sum(len(f) for _, _, f in os.walk(spill))
+assert all(len(ray.get(r)) == 30 * 2**20 for r in refs)
+del refs
+ray.shutdown()
+left = [p.pid for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+print(json.dumps({"spilled_files": spilled, "left": left}))
 """
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("start", ["stock", "lean"])
-def test_a_private_ray_starts_lean_retries_fast_and_stops_without_waiting(tmp_path, start):
-    # Ray gives each of its processes 1 s to exit on SIGTERM; its autoscaler monitor never does
-    # in that time, so every shutdown waited 1 s before killing it. `shutdown_ray` kills it
-    # first; Ray then stops the rest, and nothing it started is left. A lean start
-    # (`engine.lean_ray`, the default) starts neither the monitor nor the dashboard server,
-    # and runs tasks all the same. Its raylet retries connections every 20 ms, not every 1 s.
-    # Its node agent is the full one, as in a stock start, though the driver never imported the
-    # dashboard's dependencies to find that out. Its workers run at the driver's niceness, not
-    # at Ray's 15.
-    out = _probe(_SHUTDOWN_PROBE, start, cwd=tmp_path)
-    # a stock private local Ray starts one of each: the test sees the real thing
-    assert (out["monitors"], out["dashboards"]) == ((0, 0) if start == "lean" else (1, 1))
-    assert out["connect_ms"] == 20  # not Ray's 1 s between its raylet's connection attempts
-    assert (out["agents"], out["minimal"]) == (1, 0)
-    assert out["deps_imported"] == (start == "stock")
-    assert out["niceness"][1] == out["niceness"][0]
-    assert out["alive"] == []
+def test_a_private_ray_spills_under_the_given_folder_and_stops_with_ray_shutdown(tmp_path):
+    # Only `ray.init`'s own options and `ray.shutdown()`: objects beyond the store go to the
+    # run's folder (not a path that other runs share), and nothing Ray started is left behind.
+    out = _probe(_SHUTDOWN_PROBE, str(tmp_path), cwd=tmp_path)
+    assert out["spilled_files"] > 0
     assert out["left"] == []
 
 
-def test_the_lean_dependency_check_finds_what_ray_would_import(monkeypatch):
-    from rayfl.engine import startup
-
-    assert startup._dashboard_dependency_error() is None  # ray[default] is a dependency
-    monkeypatch.setattr(
-        startup, "_DASHBOARD_DEPENDENCIES", (*startup._DASHBOARD_DEPENDENCIES, "no_such.module")
-    )
-    error = startup._dashboard_dependency_error()
-    assert isinstance(error, ImportError) and "no_such.module" in str(error)
+def test_the_engine_uses_no_private_ray_api_and_kills_no_process():
+    # Ray's private modules and process hunting by command line broke silently on upgrades.
+    # (rayfl.bench lists a run's processes to sum their memory: it reads, never signals.)
+    engine = ROOT / "rayfl" / "engine"
+    for path in [*engine.glob("*.py"), ROOT / "rayfl" / "bench.py", ROOT / "rayfl" / "launch.py"]:
+        text = path.read_text()
+        for needle in ("_private", "_system_config", ".kill()", "cmdline", "setattr("):
+            assert needle not in text, f"{path.name} uses {needle}"
 
 
 _EARLY_WORKERS_PROBE = """
 import json, sys, time, psutil
 from rayfl.config import ray_preview, read_yaml
-from rayfl.engine.startup import EarlyRay, StartupClock
+from rayfl.engine.early import EarlyRay
+from rayfl.engine.startup import StartupClock
 
 engine, per_round = ray_preview(read_yaml(sys.argv[1]), [])  # as `rayfl run`: before torch
 early = EarlyRay(engine, per_round, StartupClock(), imported=False)
@@ -230,7 +206,7 @@ while time.monotonic() < deadline and not any("ClientWorker" in n for n in names
     time.sleep(0.05)
     names = [p.name() for p in psutil.Process().children(recursive=True) if p.is_running()]
 torch_before = "torch" in sys.modules
-early.cancel(wait=True)
+early.cancel()
 left = [p.pid for p in psutil.Process().children(recursive=True)]
 print(json.dumps({"names": names, "torch": torch_before, "left": left}))
 """
@@ -241,8 +217,7 @@ def test_a_private_ray_starts_the_workers_actors_before_the_driver_imports_torch
     tmp_path, synthetic_raw
 ):
     # `rayfl run`'s EarlyRay: the actors' processes import torch beside the driver, not after
-    # it; Ray prestarts no worker process that nothing uses (the driver trains as the second of
-    # the 2 workers: one actor). Cancelled, nothing stays behind.
+    # it. Cancelled, nothing stays behind.
     synthetic_raw["engine"].update(
         executor="ray", ray_num_cpus=2, num_workers=2, worker_resources={"num_cpus": 1}
     )
@@ -250,7 +225,6 @@ def test_a_private_ray_starts_the_workers_actors_before_the_driver_imports_torch
     config.write_text(yaml.safe_dump(synthetic_raw))
     out = _probe(_EARLY_WORKERS_PROBE, str(config), cwd=tmp_path)
     workers = [n for n in out["names"] if n.startswith("ray::")]
-    assert sum("ClientWorker" in n for n in workers) == 1, out["names"]
-    assert not any("IDLE" in n for n in workers), out["names"]
+    assert any("ClientWorker" in n for n in workers), out["names"]
     assert out["torch"] is False
     assert out["left"] == []

@@ -1,0 +1,487 @@
+"""`RayExecutor`: a pool of long-lived `ClientWorker` actors with fractional CPU/GPU reservations,
+and the server half in the driver or in a `ServerActor` (`engine.server_in`). Client state stays
+in Ray's object store as references the driver owns, never in its heap.
+
+Faults: a worker that dies is restarted by Ray and its call re-run (`max_restarts`,
+`max_task_retries`; `rayfl.engine.pool.start_workers`), with the same client states and seeds:
+the same numbers. The server actor is restarted here instead, from the last server state the
+driver owns: Ray's restart would bring it back with a fresh server state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rayfl.algorithms.base import Payload
+from rayfl.config import EngineConfig, server_in_driver
+from rayfl.data.federated import Federation
+from rayfl.engine.background import Background
+from rayfl.engine.executor import Executor, StateView, longest_first
+from rayfl.engine.pool import WorkerPool, start_workers
+from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
+from rayfl.engine.spec import RunSpec, resolve_device
+from rayfl.engine.startup import StartupClock, init_ray_for_run
+from rayfl.engine.worker import ClientMetrics
+from rayfl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def ray_get(refs: Any, timeout: float | None = None) -> Any:
+    """`ray.get` that re-raises a user error raised inside an actor as itself (its one line),
+    not wrapped in Ray's `RayTaskError` with the remote traceback."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserError):
+            raise exc.cause from None
+        raise
+
+
+def _value_or_get(handle: Any) -> Any:
+    return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
+
+
+def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
+    return [list(ids[i : i + size]) for i in range(0, len(ids), size)]
+
+
+class RayExecutor(Executor):
+    """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
+    with an evaluation actor for its pipelined scoring. Built in two steps so that start-up
+    overlaps (`rayfl.engine.early.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
+    `attach` (dataset put once, spec and data to every actor).
+
+    In the driver, the server costs no process of its own (on a 2-core machine a third process
+    importing torch delays the workers' start by ~1 s), its broadcast is put once per round, its
+    replies are read zero-copy, and its models are scored in a thread (`Background`) while the
+    clients train or evaluate. It cannot die on its own, so it has no restart path."""
+
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
+        self.launch(spec.engine, spec.per_round)
+        self.attach(spec, federation)
+
+    def launch(
+        self,
+        e: EngineConfig,
+        per_round: int,
+        clock: StartupClock | None = None,
+        started_ray: bool | None = None,
+        pool: WorkerPool | None = None,
+    ) -> None:
+        """Start Ray (unless it runs; `started_ray`: the caller did, True if it started it) and
+        the actors' processes, which import torch meanwhile (`pool`: the workers' actors, when
+        the caller started them: `rayfl.engine.early.EarlyRay`; they are this executor's
+        from here, closed with it)."""
+        self._started_ray = False
+        self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
+        self.workers: list[Any] = list(pool.actors) if pool is not None else []
+        self.server: Any = None
+        self.local: ServerRunner | None = None  # the server half, when it runs in the driver
+        self._server_ready: Any = None
+        self.evaluator: Any = None
+        self._final_scoring: _Scoring | None = None
+        self.states: dict[int, ray.ObjectRef] = {}
+        # The server state after the last finished server step, as an object the driver owns
+        # (it outlives the server actor): a restarted server starts from it. None: a fresh server
+        # is identical (it is built from the seed).
+        self._server_state: Any = None
+        if started_ray is None:
+            with _phase(clock, "ray_start"):
+                started_ray = init_ray_for_run(e)
+        self._started_ray = started_ray
+        self._clock = clock
+        try:
+            with _phase(clock if pool is None else None, "actors_launch"):
+                if pool is None:
+                    pool = start_workers(e, per_round)
+                self.num_workers, self.workers = pool.num_workers, pool.actors
+                self._server_cls: Any = ray.remote(ServerActor).options(
+                    num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
+                )
+                if not server_in_driver(e):  # else `attach` builds `local`
+                    self.server = self._server_cls.remote()
+                # No CPU of its own, like the server: it fills the time workers spend off the CPU.
+                # Started when first needed (`server_step_deferred`), not in the start-up. It
+                # holds no state: Ray restarts it and re-runs its call when it dies.
+                self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
+                    num_cpus=0, num_gpus=0, max_restarts=-1, max_task_retries=e.max_retries
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def attach(
+        self, spec: RunSpec, federation: Federation, clock: StartupClock | None = None
+    ) -> None:
+        """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
+        self.spec = spec
+        self._clock = clock or self._clock
+        self._train_sizes = [len(c.train) for c in federation.clients]
+        self._test_sizes = [len(c.test) for c in federation.clients]
+        try:
+            with _phase(clock, "dataset_put"):
+                self._federation_ref = ray.put(federation)
+            # every worker call carries these (a restarted worker sets itself up from them)
+            self._setup = [ray.put(spec), self._federation_ref]
+            ready = [w.setup.remote(self._setup) for w in self.workers]
+            if self.server is not None:
+                self._server_ready = self.server.setup.remote(spec, self._federation_ref)
+                ready.append(self._server_ready)
+            else:  # built while the workers' processes import torch
+                self.local = ServerRunner(spec, federation, resolve_device(spec.device, []))
+            self._await_ready(ready)
+        except BaseException:
+            self.close()
+            raise
+        log.info("Ray executor: %d workers", self.num_workers)
+
+    def _await_ready(self, ready: list[Any]) -> None:
+        """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
+        as itself; a server actor that died is replaced; a start past
+        `engine.startup_timeout_s` is a UserError."""
+        with _phase(self._clock, "actors_ready"):
+            deadline = time.monotonic() + self.spec.engine.startup_timeout_s
+            for ref in ready:
+                with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            self._await_started()
+
+    def _new_server(self) -> None:
+        with suppress(Exception):
+            if self.server is not None:
+                ray.kill(self.server)
+        server: Any = self._server_cls.remote(self.spec, self._federation_ref)
+        self.server = server
+        self._server_ready = (
+            server.load_state_dict.remote(self._server_state)
+            if self._server_state is not None
+            else server.device.remote()
+        )
+
+    def _await_started(self) -> None:
+        """Wait until every worker and the server answer (Ray restarts workers that die; a
+        server actor that died is replaced here).
+
+        Raises:
+            UserError: they did not answer within `engine.startup_timeout_s`, or kept dying.
+        """
+        e = self.spec.engine
+        deadline = time.monotonic() + e.startup_timeout_s
+        for _ in range(e.max_retries + 1):
+            probes = [w.info.remote(self._setup) for w in self.workers]
+            if self._server_ready is not None:
+                probes.append(self._server_ready)
+            server_died = False
+            for i, ref in enumerate(probes):
+                try:
+                    ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    raise UserError(
+                        f"the Ray workers and server did not start within "
+                        f"engine.startup_timeout_s={e.startup_timeout_s:g} s (the cluster lacks "
+                        "free resources or is overloaded; `ray status` shows them); raise "
+                        "engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
+                    ) from None
+                except ray.exceptions.RayActorError:
+                    if i < len(self.workers):  # Ray gave up on it: more deaths than retries
+                        break
+                    server_died = True
+            else:
+                if not server_died:
+                    self._server_ready = None
+                    return
+            log.warning("Ray actors died while starting; waiting for their restart")
+            if server_died:
+                self._new_server()
+        raise UserError(
+            f"Ray actors died {e.max_retries + 1} times while starting; check memory "
+            "(engine.worker_resources, engine.server_resources) or raise engine.max_retries"
+        )
+
+    def _with_server(self, why: str, call: Callable[[], Any]) -> Any:
+        """Run `call` (which uses `self.server`); on a dead server restart it from the last server
+        state and run it again. (A server in the driver lives and dies with the run.)"""
+        if self.local is not None:
+            return call()
+        retries = self.spec.engine.max_retries
+        for attempt in range(retries + 1):
+            try:
+                return call()
+            except ray.exceptions.RayActorError:
+                if attempt == retries:
+                    raise UserError(
+                        f"{why}: the server actor died {attempt + 1} times; check memory "
+                        "(engine.server_resources) or raise engine.max_retries"
+                    ) from None
+                log.warning("%s: the server actor died; restarting it from the last state", why)
+                self._new_server()
+                self._await_started()
+        raise AssertionError("unreachable")
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """The workers' `ClientWorker.info` (device, GPU ids, peak GPU memory)."""
+        return ray_get([w.info.remote(self._setup) for w in self.workers])
+
+    def broadcast(
+        self, round_idx: int, archs: Sequence[str]
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        if self.local is not None:  # put once; every worker maps it zero-copy
+            sizes, payloads = self.local.broadcast(round_idx, list(archs))
+            self._start_final_scoring()
+            return sizes, {a: ray.put(p) for a, p in zip(archs, payloads)}
+
+        def call() -> tuple[dict[str, int], dict[str, Any]]:
+            refs = self.server.broadcast.options(num_returns=1 + len(archs)).remote(
+                round_idx, list(archs)
+            )
+            self._start_final_scoring()  # queued behind the broadcast, not ahead of it
+            return ray_get(refs[0]), dict(zip(archs, refs[1:]))
+
+        return self._with_server("broadcast", call)
+
+    def fit(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any], evaluate: bool
+    ) -> tuple[list[ClientMetrics], list[Any]]:
+        """Batches of `engine.clients_per_call` clients, handed to whichever worker is free; the
+        states travel as object references (the driver never holds them)."""
+        e = self.spec.engine
+        metrics: list[ClientMetrics] = []
+        reply_refs: list[Any] = []
+
+        def submit(worker: Any, batch: list[int]) -> tuple[Any, Any]:
+            states = [self.states.get(c) for c in batch]
+            refs = worker.fit.options(num_returns=2 + len(batch)).remote(
+                self._setup, round_idx, batch, payloads, evaluate, *states
+            )
+            return refs[0], refs
+
+        def record(batch: list[int], refs: Any) -> None:
+            metrics.extend(ray_get(refs[0]))
+            reply_refs.append(refs[1])
+            self.states.update(zip(batch, refs[2:]))
+            self._report("fit", len(metrics), len(client_ids))
+
+        deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
+        order = longest_first(client_ids, self._train_sizes)
+        self._dispatch(round_idx, _batches(order, e.clients_per_call), submit, record, deadline)
+        return metrics, reply_refs
+
+    def evaluate(
+        self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
+    ) -> list[ClientMetrics]:
+        """As `fit`; evaluation changes no state."""
+        rows: list[ClientMetrics] = []
+
+        def submit(worker: Any, batch: list[int]) -> tuple[Any, Any]:
+            states = [self.states.get(c) for c in batch]
+            ref = worker.evaluate.remote(self._setup, round_idx, batch, payloads, *states)
+            return ref, ref
+
+        def record(_: list[int], ref: Any) -> None:
+            rows.extend(ray_get(ref))
+            self._report("eval", len(rows), len(client_ids))
+
+        order = longest_first(client_ids, self._test_sizes)
+        batches = _batches(order, self.spec.engine.clients_per_call)
+        self._dispatch(round_idx, batches, submit, record)
+        return rows
+
+    def _dispatch(
+        self,
+        round_idx: int,
+        batches: list[list[int]],
+        submit: Callable[[Any, list[int]], tuple[Any, Any]],
+        record: Callable[[list[int], Any], None],
+        deadline: float | None = None,
+    ) -> None:
+        """Run `batches`, each on whichever worker is free: `submit(worker, batch)` returns the
+        ObjectRef to wait on and a handle, `record(batch, handle)` takes the result. At the
+        `deadline` the calls still running are cancelled and the batches not started dropped.
+
+        Raises:
+            UserError: a batch's worker died more often than Ray re-runs a call
+                (`engine.max_retries`).
+        """
+        pending = deque(batches)
+        idle = deque(self.workers)
+        running: dict[Any, tuple[Any, list[int], Any]] = {}
+        while True:
+            while idle and pending:
+                worker, batch = idle.popleft(), pending.popleft()
+                ref, handle = submit(worker, batch)
+                running[ref] = (worker, batch, handle)
+            if not running:
+                return
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+            if not done:
+                log.warning(
+                    "round %d: deadline engine.round_timeout_s=%s passed; %d client batches "
+                    "dropped",
+                    round_idx,
+                    self.spec.engine.round_timeout_s,
+                    len(running) + len(pending),
+                )
+                for ref in running:
+                    with suppress(Exception):
+                        ray.cancel(ref)
+                return
+            worker, batch, handle = running.pop(done[0])
+            try:
+                record(batch, handle)
+            except ray.exceptions.RayActorError:
+                raise UserError(
+                    f"round {round_idx}: clients {batch} failed: their worker died "
+                    f"{self.spec.engine.max_retries + 1} times; check memory "
+                    "(engine.worker_resources) or raise engine.max_retries"
+                ) from None
+            idle.append(worker)
+
+    def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
+        if self.local is not None:
+            return self.local.step(round_idx, ray_get(replies), evaluate)
+
+        # The replies are objects the driver owns: a restarted server steps on the same ones.
+        def call() -> dict[str, float]:
+            metrics, state = self.server.step_and_state.options(num_returns=2).remote(
+                round_idx, evaluate, *replies
+            )
+            out = ray_get(metrics)
+            self._server_state = state
+            return out
+
+        return self._with_server(f"round {round_idx}", call)
+
+    def server_step_deferred(
+        self, round_idx: int, replies: list[Any], evaluate: bool, final: bool = False
+    ) -> tuple[dict[str, float], Any]:
+        """The step now, its models scored meanwhile: by the evaluation actor (started on first
+        use) while the next round's clients train, or, in the `final` round, by the server
+        itself, idle from then on, while the clients evaluate."""
+        if not self.spec.engine.pipeline_eval:
+            return self.server_step(round_idx, replies, evaluate), None
+        if self.local is not None:  # scored in a thread of this process, not by an actor
+            out, models = self.local.step_deferred(round_idx, ray_get(replies), evaluate)
+            if not evaluate:
+                return out, None
+            if final:  # started after the deployed evaluation's broadcast, as on an actor
+                self._final_scoring = _Scoring(models)
+                return out, self._final_scoring
+            return out, _Scoring(models, self._score_in_driver(models))
+
+        def call() -> tuple[dict[str, float], Any]:
+            metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
+                round_idx, evaluate, *replies
+            )
+            out = ray_get(metrics)
+            self._server_state = state
+            if not evaluate:
+                return out, None
+            if final:  # submitted after the deployed evaluation's broadcast (`broadcast`)
+                self._final_scoring = _Scoring(models)
+                return out, self._final_scoring
+            if self.evaluator is None:
+                self.evaluator = self._new_evaluator()
+            return out, _Scoring(models, self.evaluator.score.remote(models))
+
+        return self._with_server(f"round {round_idx}", call)
+
+    def _start_final_scoring(self) -> None:
+        """The server's actor runs one call at a time: the last round's scoring goes after the
+        broadcast that the clients' evaluation needs, so the two evaluations overlap."""
+        scoring, self._final_scoring = self._final_scoring, None
+        if scoring is None:
+            return
+        if self.local is not None:
+            scoring.ref = self._score_in_driver(scoring.models)
+        else:
+            scoring.ref = self.server.score.remote(scoring.models)
+
+    def _score_in_driver(self, models: Any) -> Background:
+        """The server's models scored by a thread of this process (the server runs here)."""
+        assert self.local is not None
+        return Background(self.local.score, models, name="rayfl-score")
+
+    def collect_eval(self, handle: Any) -> dict[str, float]:
+        if handle is None:
+            return {}
+        if handle.ref is None:  # the last round's, with no broadcast after it
+            self._start_final_scoring()
+        if isinstance(handle.ref, Background):
+            return handle.ref.result()
+        try:
+            return ray_get(handle.ref)  # the evaluator's call is re-run by Ray if it died
+        except ray.exceptions.RayActorError:  # the server actor, scoring the last round's
+            log.warning("the server actor died while scoring its models; scoring them again")
+            if self.evaluator is None:
+                self.evaluator = self._new_evaluator()
+            return ray_get(self.evaluator.score.remote(handle.models))
+
+    def _value(self, handle: Any) -> Any:
+        return ray_get(handle)
+
+    def snapshot(self) -> StateView:
+        if self.local is not None:  # state_dict() is a fresh copy, as for the serial executor
+            return StateView(dict(self.states), self.local.state_dict(), _value_or_get)
+        return StateView(dict(self.states), self._server_state, ray_get)
+
+    def _new_evaluator(self) -> Any:
+        return self._evaluator_cls.remote(self.spec, self._federation_ref)
+
+    def server_state(self) -> dict[str, Any]:
+        if self.local is not None:
+            return self.local.state_dict()
+        if self._server_state is not None:
+            return ray_get(self._server_state)
+        return self._with_server("server state", lambda: ray_get(self.server.state_dict.remote()))
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        if self.local is not None:
+            self.local.load_state_dict(state)
+            return
+        self._server_state = ray.put(state)
+        self._with_server(
+            "load server state",
+            lambda: ray_get(self.server.load_state_dict.remote(self._server_state)),
+        )
+
+    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
+        for c in client_ids:
+            if c in self.states:
+                yield c, ray.get(self.states[c])
+
+    def load_client_state(self, client_id: int, state: Payload) -> None:
+        self.states[client_id] = ray.put(state)
+
+    def close(self) -> None:
+        actors = [*getattr(self, "workers", []), getattr(self, "server", None)]
+        for actor in [*actors, getattr(self, "evaluator", None)]:
+            if actor is not None:
+                with suppress(Exception):
+                    ray.kill(actor)
+        self.states = {}
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+            self.after_shutdown()
+
+
+@dataclass
+class _Scoring:
+    """A deferred evaluation of the server's models: `ref` once submitted."""
+
+    models: Any  # the models to score: an ObjectRef, or the modules (a server in the driver)
+    ref: Any = None  # ObjectRef of the score, or the `Background` scoring it in the driver
+
+
+def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:
+    return nullcontext() if clock is None else clock.phase(name)

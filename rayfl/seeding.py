@@ -1,0 +1,69 @@
+"""Every random stream of a run, named once.
+
+A stream is a `numpy.random.SeedSequence` over a tuple of integers, its *words*: the run's seed,
+where it applies (round, client) and its purpose's tag. Two streams with the same words draw the
+same numbers, so every purpose's words must differ from every other's for any seed, round and
+client (`tests/test_seeding.py` checks it over a grid). Each purpose keeps the words it had
+before this module existed, so the numbers stay, with two exceptions (2026-12-03):
+
+- `PRIVACY` was 5, the value of `EVAL`: a client's privacy noise drew the stream its
+  evaluation drew. It is 6 now (DP and secure-aggregation runs draw other noise than before).
+- The data streams (`rayfl.data.federated`) used `(seed, stream, client)` with stream 1-3,
+  which met the run's other streams (client 1's train/test split drew client 3's initial
+  weights' stream, client 4's drew round 3's client sample). They use their own tags now, last
+  like every other purpose's: the train/test splits of every run changed.
+
+Secure aggregation derives its keys by hashing with labels of its own (`rayfl.privacy.secagg`),
+a domain apart from these streams. A dataset's own `data.options.seed` (synthetic data, the
+digits test split) defines the data, not a run's randomness, and is not a stream here.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+
+class Purpose(IntEnum):
+    """The tag of each purpose: the last word of its streams."""
+
+    INIT = 1  # a client's initial weights: (seed, client, INIT)
+    TRAIN = 2  # a client's training (shuffling, dropout): (seed, round, client, TRAIN)
+    SERVER = 3  # the server's model init (seed, SERVER), its round (seed, round, SERVER)
+    SAMPLE = 4  # the round's clients: (seed, round, SAMPLE)
+    EVAL = 5  # a client's evaluation: (seed, round, client, EVAL)
+    PRIVACY = (
+        6  # a client's noise (seed, round, client, PRIVACY), the server's (seed, round, PRIVACY)
+    )
+    DATA_SUBSET = 7  # `data.train_samples`'s subset: (seed, DATA_SUBSET)
+    DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
+    DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)
+
+
+# The server's second stream in a round (its public-data batches): (seed, round, SERVER, 1), a
+# four-word stream whose last word no four-word purpose has.
+SERVER_DATA_WORD = 1
+
+
+def words(
+    purpose: Purpose, seed: int, round_idx: int | None = None, client: int | None = None
+) -> tuple[int, ...]:
+    """The words of `purpose`'s stream for `seed` (and the round and client where it has them)."""
+    where = [w for w in (round_idx, client) if w is not None]
+    return (int(seed), *(int(w) for w in where), int(purpose))
+
+
+def server_data_words(seed: int, round_idx: int) -> tuple[int, ...]:
+    """The words of the server's public-data stream in round `round_idx`."""
+    return (*words(Purpose.SERVER, seed, round_idx), SERVER_DATA_WORD)
+
+
+def seed_of(stream: tuple[int, ...]) -> int:
+    """A 31-bit seed (for `torch.manual_seed`) from a stream's words: independent of workers."""
+    return int(np.random.SeedSequence(list(stream)).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def rng_of(stream: tuple[int, ...]) -> np.random.Generator:
+    """A numpy generator on a stream's words."""
+    return np.random.default_rng(list(stream))
