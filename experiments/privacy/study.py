@@ -1,0 +1,105 @@
+"""The privacy-utility study: every setting below x 3 seeds on experiments/privacy/fmnist200.yaml,
+each run's summary kept (small JSON) in docs/results/privacy/runs/, then rendered by render.py.
+
+    PYTHONPATH=$PWD nice -n 19 python3 experiments/privacy/study.py --jobs 2
+    PYTHONPATH=$PWD python3 experiments/privacy/render.py
+
+Runs whose JSON already exists are skipped, so the same command resumes an interrupted study;
+`--only LABEL` runs one setting. Run directories (plots, parquet) go to --work (not committed).
+Order: seed-major, so a study cut short still has every setting at its first seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "experiments" / "privacy" / "fmnist200.yaml"
+OUT = ROOT / "docs" / "results" / "privacy" / "runs"
+SEEDS = (0, 1, 2)
+NOISE = (0.5, 1.0, 2.0, 4.0)  # DP noise multipliers of the accuracy-vs-epsilon curve
+
+DP = ["privacy.dp.enabled=true"]
+# label -> overrides of the base; group and z are read back from each run's config by render.py
+SETTINGS: dict[str, list[str]] = {
+    "fedavg": ["eval.local_baseline=true"],  # no protection, and the local-only baseline
+    **{f"fedavg_dp_z{z:g}": [*DP, f"privacy.dp.noise_multiplier={z}"] for z in NOISE},
+    # secure aggregation of the statistics channel, without and with simulated dropout
+    "stats": ["algorithm.name=pfedes", "algorithm.variant=stats", "algorithm.alpha=1.0"],
+    "stats_secagg_drop0": [
+        "algorithm.name=pfedes",
+        "algorithm.variant=stats",
+        "algorithm.alpha=1.0",
+        "privacy.secagg.enabled=true",
+    ],
+    "stats_secagg_drop0.3": [
+        "algorithm.name=pfedes",
+        "algorithm.variant=stats",
+        "algorithm.alpha=1.0",
+        "privacy.secagg.enabled=true",
+        "privacy.secagg.dropout=0.3",
+    ],
+    # statistics-only upload vs the full model update, both under DP at the same epsilon
+    "stats_dp_z1": [
+        "algorithm.name=pfedes",
+        "algorithm.variant=stats",
+        "algorithm.alpha=1.0",
+        *DP,
+        "privacy.dp.noise_multiplier=1.0",
+    ],
+}
+
+
+def run_one(label: str, seed: int, work: Path) -> str:
+    name = f"{label}-s{seed}"
+    out = OUT / f"{name}.json"
+    if out.exists():
+        return f"{name}: kept"
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "rayfl.cli", "run", str(BASE), *SETTINGS[label], f"seed={seed}"]
+    cmd += ["--out", str(run_dir), "--no-progress"]
+    log = work / f"{name}.log"
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ).returncode
+    summary_path = run_dir / "summary.json"
+    if rc != 0 or not summary_path.exists():
+        return f"{name}: FAILED (rc {rc}, see {log})"
+    summary = json.loads(summary_path.read_text())
+    keep = {k: summary[k] for k in ("name", "seed", "status", "rounds", "config", "final")}
+    keep["label"] = label
+    keep["final"] = {k: v for k, v in keep["final"].items() if not k.startswith("time/")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(keep, indent=1, sort_keys=True) + "\n")
+    return f"{name}: acc {keep['final'].get('personal/acc')}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/rayfl-privacy-study"))
+    parser.add_argument("--only", action="append", help="a label of SETTINGS (repeatable)")
+    parser.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
+    args = parser.parse_args()
+    labels = args.only or list(SETTINGS)
+    unknown = [x for x in labels if x not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}; choose from {', '.join(SETTINGS)}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    # the accuracy-vs-epsilon curve first (seed-major), then the other comparisons
+    core = [x for x in labels if x.startswith("fedavg")]
+    rest = [x for x in labels if x not in core]
+    jobs = [(x, s) for group in (core, rest) for s in args.seeds for x in group]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for line in pool.map(lambda j: run_one(j[0], j[1], args.work), jobs):
+            print(line, flush=True)  # noqa: T201 (a command-line script)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
