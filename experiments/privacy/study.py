@@ -61,10 +61,18 @@ def run_one(label: str, seed: int, work: Path) -> str:
     run_dir = work / name
     if run_dir.exists():
         _wait_for(run_dir)  # a run this study started before it was restarted: adopt it
-    if not (run_dir / "summary.json").exists():
+    if _status(run_dir) != "FINISHED":
         shutil.rmtree(run_dir, ignore_errors=True)
         _start(label, seed, run_dir, work / f"{name}.log")
     return _keep(label, name, run_dir, out)
+
+
+def _status(run_dir: Path) -> str | None:
+    """The run's status in its summary.json (written at the start as RUNNING), or None."""
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text())["status"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _wait_for(run_dir: Path) -> None:
@@ -73,7 +81,7 @@ def _wait_for(run_dir: Path) -> None:
         pid = int((run_dir / ".lock").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return
-    while not (run_dir / "summary.json").exists() and Path(f"/proc/{pid}").exists():
+    while _status(run_dir) in (None, "RUNNING") and Path(f"/proc/{pid}").exists():
         time.sleep(10)
 
 
@@ -86,10 +94,9 @@ def _start(label: str, seed: int, run_dir: Path, log: Path) -> None:
 
 def _keep(label: str, name: str, run_dir: Path, out: Path) -> str:
     """The run's summary, trimmed, as docs/results/privacy/runs/<name>.json."""
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
+    if _status(run_dir) != "FINISHED":
         return f"{name}: FAILED (see {run_dir.parent / (name + '.log')})"
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     keep = {k: summary[k] for k in ("name", "seed", "status", "rounds", "config", "final")}
     keep["label"] = label
     keep["final"] = {k: v for k, v in keep["final"].items() if not k.startswith("time/")}
