@@ -18,6 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rayfl.privacy.report import save_epsilon_plot
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "privacy"
 
@@ -136,15 +138,14 @@ def plot(table: list[dict[str, Any]], local: tuple[float, float, int] | None, ou
         ax.axhline(local[0], color="k", ls=":", label="local training only")
         if not math.isnan(local[1]):
             ax.axhspan(local[0] - local[1], local[0] + local[1], color="k", alpha=0.08)
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon (client-level, Poisson sampling, RDP)")
-    ax.set_ylabel("personal/acc (mean ± std over seeds)")
-    ax.set_title("Fashion-MNIST, 200 clients: accuracy vs privacy budget")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_epsilon_plot(
+        fig,
+        ax,
+        out,
+        "epsilon (client-level, Poisson sampling, RDP)",
+        "personal/acc (mean ± std over seeds)",
+        "Fashion-MNIST, 200 clients: accuracy vs privacy budget",
+    )
 
 
 def main() -> int:
