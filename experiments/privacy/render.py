@@ -89,16 +89,19 @@ def baseline(by_label: dict[str, list[dict[str, Any]]]) -> tuple[float, float, i
 def markdown(table: list[dict[str, Any]], local: tuple[float, float, int] | None, cfg: dict) -> str:
     data, engine = cfg["data"], cfg["engine"]
     local_txt = f"{pct(local[0], local[1])} ({local[2]} seeds)" if local else "-"
+    deltas = sorted({d["delta"] for d in table if d["dp"]})
+    per_round = engine["clients_per_round"] or engine["fraction"] * data["num_clients"]
+    q = per_round / data["num_clients"]
     lines = [
         f"Fashion-MNIST (all {60000} training images), {data['num_clients']} clients "
         f"(Dirichlet {data['partition']['alpha']:g}), mlp, {engine['rounds']} rounds, "
-        f"{engine['sampling']} client sampling at q = {engine['fraction']:g}, 1 local epoch; "
+        f"{engine['sampling']} client sampling at q = {q:g}, 1 local epoch; "
         f"personalized accuracy (%) after the last round, mean ± std over seeds; epsilon at "
-        f"delta = {table[0]['delta'] if table else '-'} for the sampling that ran "
+        f"delta = {', '.join(f'{x:g}' for x in deltas) or '-'} for the sampling that ran "
         "(dp-accounting RDP). Local-only baseline (every client trains alone, same partition "
         f"and seeds): {local_txt}.",
         "",
-        "| setting | z | epsilon | personal/acc (%) | seeds | local baseline (%) | dropped/round |",
+        "| setting | z | epsilon | personal/acc (%) | seeds | local baseline (%) | SecAgg dropped (last round) |",
         "|---|---|---|---|---|---|---|",
     ]
     for d in table:
