@@ -93,7 +93,8 @@ def markdown(table: list[dict[str, Any]], local: tuple[float, float, int] | None
     per_round = engine["clients_per_round"] or engine["fraction"] * data["num_clients"]
     q = per_round / data["num_clients"]
     lines = [
-        f"Fashion-MNIST (all {60000} training images), {data['num_clients']} clients "
+        f"Fashion-MNIST ({data.get('train_samples') or 60000} of the 60000 training images), "
+        f"{data['num_clients']} clients "
         f"(Dirichlet {data['partition']['alpha']:g}), mlp, {engine['rounds']} rounds, "
         f"{engine['sampling']} client sampling at q = {q:g}, 1 local epoch; "
         f"personalized accuracy (%) after the last round, mean ± std over seeds; epsilon at "
