@@ -102,3 +102,21 @@ def test_the_stats_client_distils_from_the_table_it_receives():
         kd = float(class_kd_loss(logits, y, torch.tensor(table), torch.tensor(counts), 2.0))
     assert kd > 1e-3
     assert loss == pytest.approx(ce + kd, rel=1e-5)  # the received table, not the empty one
+
+
+def test_dp_divides_by_the_fixed_denominator_not_by_the_arrivals():
+    # 4 expected participants, one upload lost after masking: the noisy sum of the 3 that arrived
+    # is divided by q * N = 4 (the fixed-denominator estimator), not by 3
+    cfg = PrivacyConfig(
+        dp=DPConfig(enabled=True, noise_multiplier=0.0, clip=10.0),
+        secagg=SecAggConfig(enabled=True),
+    )
+    h = PrivacyHook(cfg, "weighted_mean", seed=0, num_clients=4, per_round=4)
+    sent = {"w": np.zeros(2, np.float32)}
+    replies = [
+        Reply(c, "a", 1, {} if c == 2 else h.protect({"w": np.ones(2, np.float32)}, sent, 1, c, 1))
+        for c in range(4)
+    ]
+    (combined,), metrics = h.combine(replies, 1, {"a": sent})
+    assert metrics["privacy/dropped"] == 1.0
+    np.testing.assert_allclose(combined.payload["w"], [0.75, 0.75], atol=1e-6)
