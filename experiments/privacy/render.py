@@ -71,7 +71,8 @@ def rows(by_label: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         accs = [r["final"]["personal/acc"] for r in runs]
         dropped = [r["final"].get("privacy/dropped") for r in runs]
         d.update(label=label, seeds=sorted(r["seed"] for r in runs), acc=mean_std(accs))
-        d["dropped"] = None if None in dropped else statistics.fmean(dropped)
+        secagg = runs[0]["config"].get("privacy", {}).get("secagg", {}).get("enabled")
+        d["dropped"] = None if None in dropped or not secagg else statistics.fmean(dropped)
         out.append(d)
     return sorted(out, key=lambda d: (d["algo"], d["dp"], -d["epsilon"], d["setting"]))
 
@@ -88,7 +89,7 @@ def baseline(by_label: dict[str, list[dict[str, Any]]]) -> tuple[float, float, i
 
 def markdown(table: list[dict[str, Any]], local: tuple[float, float, int] | None, cfg: dict) -> str:
     data, engine = cfg["data"], cfg["engine"]
-    local_txt = f"{pct(local[0], local[1])} ({local[2]} seeds)" if local else "-"
+    local_txt = f"{pct(local[0], local[1])} (seeds: {local[2]})" if local else "-"
     deltas = sorted({d["delta"] for d in table if d["dp"]})
     per_round = engine["clients_per_round"] or engine["fraction"] * data["num_clients"]
     q = per_round / data["num_clients"]
@@ -123,13 +124,17 @@ def plot(table: list[dict[str, Any]], local: tuple[float, float, int] | None, ou
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for algo, marker in (("fedavg", "o"), ("pfedes-stats", "s")):
+    labels = {
+        "fedavg": "FedAvg + DP",
+        "pfedes-stats": "pFedES stats-only + DP",
+        "pfedes-kd": "pFedES proxy + DP",
+    }
+    for algo, marker in (("fedavg", "o"), ("pfedes-stats", "s"), ("pfedes-kd", "^")):
         pts = sorted((d["epsilon"], *d["acc"]) for d in table if d["algo"] == algo and d["dp"])
         if pts:
             xs, ms, ss = zip(*pts)
             ss = [0.0 if math.isnan(s) else s for s in ss]
-            label = "FedAvg + DP" if algo == "fedavg" else "pFedES stats-only + DP"
-            ax.errorbar(xs, ms, yerr=ss, marker=marker, capsize=3, label=label)
+            ax.errorbar(xs, ms, yerr=ss, marker=marker, capsize=3, label=labels[algo])
     colors = iter(plt.get_cmap("Dark2").colors)
     for d in table:
         if not d["dp"] and "SecAgg" not in d["setting"]:

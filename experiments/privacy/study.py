@@ -42,6 +42,16 @@ SETTINGS: dict[str, list[str]] = {
         "privacy.secagg.enabled=true",
         "privacy.secagg.dropout=0.3",
     ],
+    # pFedES's proxy channel (variant kd with the return path: the local model distils from the
+    # received proxy), without DP and under DP at the epsilon of the other z = 1 settings
+    "proxy": ["algorithm.name=pfedes", "algorithm.variant=kd", "algorithm.beta=0.5"],
+    "proxy_dp_z1": [
+        "algorithm.name=pfedes",
+        "algorithm.variant=kd",
+        "algorithm.beta=0.5",
+        *DP,
+        "privacy.dp.noise_multiplier=1.0",
+    ],
     # statistics-only upload vs the full model update, both under DP at the same epsilon
     "stats_dp_z1": [
         "algorithm.name=pfedes",
