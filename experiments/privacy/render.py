@@ -38,9 +38,12 @@ def describe(run: dict[str, Any]) -> dict[str, Any]:
     algo, privacy = cfg["algorithm"], cfg.get("privacy", {})
     dp, sa = privacy.get("dp", {}), privacy.get("secagg", {})
     name = algo["name"] if algo["name"] != "pfedes" else f"pfedes-{algo.get('variant')}"
-    parts = [
-        {"fedavg": "FedAvg (model update)", "pfedes-stats": "pFedES stats-only"}.get(name, name)
-    ]
+    names = {
+        "fedavg": "FedAvg (model update)",
+        "pfedes-stats": "pFedES stats-only",
+        "pfedes-kd": "pFedES proxy (kd, beta 0.5)",
+    }
+    parts = [names.get(name, name)]
     if dp.get("enabled"):
         parts.append(f"DP clip {dp['clip']:g}")
     if sa.get("enabled"):
