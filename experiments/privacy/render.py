@@ -106,16 +106,18 @@ def markdown(table: list[dict[str, Any]], local: tuple[float, float, int] | None
         "(dp-accounting RDP). Local-only baseline (every client trains alone, same partition "
         f"and seeds): {local_txt}.",
         "",
-        "| setting | z | epsilon | personal/acc (%) | seeds | local baseline (%) | SecAgg dropped (last round) |",
-        "|---|---|---|---|---|---|---|",
+        "| setting | z | epsilon | personal/acc (%) | seeds | local baseline (%) | gain over local "
+        "(points) | SecAgg dropped (last round) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for d in table:
         eps = "inf (no DP)" if math.isinf(d["epsilon"]) else f"{d['epsilon']:.2f}"
         z = "-" if d["z"] is None else f"{d['z']:g}"
         dropped = "-" if d["dropped"] is None else f"{d['dropped']:.1f}"
+        gain = f"{100 * (d['acc'][0] - local[0]):+.1f}" if local else "-"
         lines.append(
             f"| {d['setting']} | {z} | {eps} | {pct(*d['acc'])} | {len(d['seeds'])} | "
-            f"{local_txt if local else '-'} | {dropped} |"
+            f"{local_txt if local else '-'} | {gain} | {dropped} |"
         )
     lines += [
         "",
