@@ -12,6 +12,7 @@ from rayfl.algorithms.base import Algorithm
 from rayfl.config import RunConfig
 from rayfl.errors import ConfigError
 from rayfl.privacy import check_fits as check_privacy_fits
+from rayfl.privacy.hook import check_accounting
 
 
 def check_algorithm_fits(
@@ -49,6 +50,7 @@ def check_algorithm_fits(
     if algo.check_archs is not None:
         algo.check_archs(distinct, cfg.algorithm.params)
     check_privacy_fits(algo, cfg.privacy, cfg.algorithm.params)
+    check_accounting(cfg)
 
 
 def check_family(cfg: RunConfig) -> list[str]:

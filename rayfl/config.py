@@ -79,6 +79,10 @@ class EngineConfig:
     rounds: int = 10
     fraction: float = 1.0  # share of clients sampled per round, in (0, 1]
     clients_per_round: int | None = None  # overrides `fraction` when set
+    # `uniform`: exactly that many clients, drawn without replacement; `poisson`: each client
+    # independently with probability q = clients per round / num_clients (DP-FedAvg's scheme,
+    # accounted as such; see `rayfl.privacy.dp`).
+    sampling: Literal["uniform", "poisson"] = "uniform"
     executor: Literal["serial", "ray"] = "ray"
     # Worker actors of the Ray executor, each reserving `worker_resources` (the serial executor
     # has none and ignores it). None: enough for one wave of a round's clients,
@@ -157,6 +161,10 @@ class DPConfig:
     noise_multiplier: float = 1.0  # Gaussian noise std on the sum = noise_multiplier * clip
     delta: float = 1e-5  # target delta of the reported (epsilon, delta)
     accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's RDP or PLD accountant
+    # None: the noise comes from fresh OS entropy, kept only in the run's checkpoint (resume
+    # stays exact). An integer makes the noise reproducible from the config, which anyone holding
+    # the config can then subtract: for tests and debugging only, never for a privacy claim.
+    noise_seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Purpose(IntEnum):
     DATA_SUBSET = 7  # `data.train_samples`'s subset: (seed, DATA_SUBSET)
     DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
     DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)
+    POISSON_SAMPLE = 10  # `engine.sampling=poisson`'s draw: (seed, round, attempt, POISSON_SAMPLE)
 
 
 # The server's second stream in a round (its public-data batches): (seed, round, SERVER, 1), a

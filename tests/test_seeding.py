@@ -31,6 +31,8 @@ def streams() -> dict[tuple[int, ...], set[str]]:
             add("SERVER_DATA", server_data_words(s, r))
             add("SAMPLE", words(Purpose.SAMPLE, s, r))
             add("PRIVACY", words(Purpose.PRIVACY, s, r))
+            for a in range(4):  # a Poisson draw's redraws
+                add("POISSON_SAMPLE", words(Purpose.POISSON_SAMPLE, s, r, a))
             for c, p in itertools.product(CLIENTS, (Purpose.TRAIN, Purpose.EVAL, Purpose.PRIVACY)):
                 add(p.name, words(p, s, r, c))
     return found

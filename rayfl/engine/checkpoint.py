@@ -53,7 +53,7 @@ _FILE = re.compile(r"^(server\.npz|history\.json|clients/[0-9]+\.npz)$")
 _TREE = "__tree__"
 # engine settings that change where and how fast a run goes, never its numbers: a resume may
 # change them (and tracking, name); everything else must match the checkpoint's config hash.
-_RESULT_ENGINE_KEYS = ("fraction", "clients_per_round", "eval_every", "min_replies")
+_RESULT_ENGINE_KEYS = ("fraction", "clients_per_round", "sampling", "eval_every", "min_replies")
 
 
 def config_hash(cfg: RunConfig) -> str:

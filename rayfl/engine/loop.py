@@ -306,7 +306,9 @@ class Simulation:
         cfg, ex = self.cfg, self.executor
         start = time.perf_counter()
         evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
-        clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, self.per_round)
+        clients = sample_clients(
+            cfg.seed, rnd, cfg.data.num_clients, self.per_round, cfg.engine.sampling
+        )
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(rnd, archs)
         fit_start = time.perf_counter()

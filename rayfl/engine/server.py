@@ -29,6 +29,9 @@ from rayfl.seeding import Purpose, seed_of, server_data_words, words
 log = logging.getLogger(__name__)
 
 
+PRIVACY_STATE = "rayfl/privacy"  # the privacy hook's entry in the server's checkpointed state
+
+
 class RoundFailed(UserError):
     """Too few valid replies for a round."""
 
@@ -192,9 +195,16 @@ class ServerRunner:
         return {name: copy.deepcopy(m).to("cpu") for name, m in self.server.eval_models().items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.server.state_dict()
+        state = self.server.state_dict()
+        if self.spec.privacy is not None:  # the DP noise's secret, so that a resume is exact
+            state = {**state, PRIVACY_STATE: self.spec.privacy.state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        privacy = state.pop(PRIVACY_STATE, None)
+        if privacy is not None and self.spec.privacy is not None:
+            self.spec.privacy.load_state_dict(privacy)
         self.server.load_state_dict(state)
 
 

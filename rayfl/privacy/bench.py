@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=142_000, help="floats per upload")
     args = parser.parse_args(argv)
     plain = 4 * args.size
-    dp.epsilon(1.0, 0.5, 1, 1e-5)  # the accountant's one-time import is not the protocol's cost
+    # the accountant's one-time import is not the protocol's cost
+    dp.epsilon(1.0, 1, 1e-5, num_clients=2, per_round=1)
     lines = [
         f"{args.clients} clients, {args.size} floats per upload (plain float32: {plain} bytes)",
         f"  {'variant':15s} {'bytes up':>10s} {'x plain':>7s} {'protect s':>10s} {'combine s':>10s} {'dropped':>7s}",

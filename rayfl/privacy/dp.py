@@ -3,14 +3,20 @@ Private Recurrent Language Models" (ICLR 2018), i.e. DP-FedAvg.
 
 Each sampled client's contribution (its update, or its statistics payload) is clipped to L2 norm
 `clip` on the client; the server adds Gaussian noise of std `noise_multiplier * clip` to the SUM of
-the clipped contributions and divides by the number of contributions (equal weights, the paper's
-fixed-denominator estimator with w_k = 1: sample counts would raise the sensitivity and leak).
-One round is then a Gaussian mechanism of sensitivity `clip` on a client-sampled federation,
-accounted as a Poisson-sampled Gaussian event at rate q = clients_per_round / num_clients
-(the approximation McMahan et al. use; rayfl samples exactly that many without replacement).
+the clipped contributions and divides it by a FIXED denominator, the expected number of
+participants q * N (the paper's fixed-denominator estimator with w_k = 1), whatever number of
+uploads arrived: dividing by the arrivals would make the denominator data-dependent.
 
 The accountant is Google's maintained `dp-accounting` library (RDP or PLD); nothing is
-hand-written here.
+hand-written here. Each round is accounted as the sampling that actually ran (`engine.sampling`):
+
+- `poisson`: a Poisson-sampled Gaussian at rate q = per_round / N under add/remove-one-client
+  neighbouring (the sum changes by at most `clip`: noise multiplier z). RDP or PLD.
+- `uniform` with K < N: dp-accounting's sampling-without-replacement event (Wang, Balle,
+  Kasiviswanathan 2019) of K out of N, which the library defines under replace-one-client
+  neighbouring (N public). Replacing a client moves the sum by up to 2 * clip, so the Gaussian's
+  multiplier relative to that sensitivity is z / 2. RDP only (PLD has no such event).
+- every client every round (K = N): an unsampled Gaussian of multiplier z, add/remove-one.
 """
 
 from __future__ import annotations
@@ -30,35 +36,62 @@ def l2_clip(vec: np.ndarray, clip: float) -> tuple[np.ndarray, float]:
     return np.asarray(vec, dtype=np.float64) * scale, norm
 
 
-def gaussian_noise(size: int, std: float, seed: int) -> np.ndarray:
-    """Seeded N(0, std^2) noise for the sum (float64)."""
+def gaussian_noise(size: int, std: float, seed: int | Sequence[int]) -> np.ndarray:
+    """N(0, std^2) noise for the sum (float64) from the stream `seed` (an int or int words)."""
     return np.random.default_rng(seed).normal(0.0, std, size) if std > 0 else np.zeros(size)
 
 
-def round_event(noise_multiplier: float, sampling_rate: float) -> Any:
-    """One round of DP-FedAvg as a `dp_accounting` event."""
+def replace_one(sampling: str, num_clients: int, per_round: int) -> bool:
+    """Whether the round is accounted under replace-one neighbouring (fixed-size sampling)."""
+    return sampling == "uniform" and per_round < num_clients
+
+
+def round_event(
+    noise_multiplier: float, num_clients: int, per_round: int, sampling: str = "poisson"
+) -> Any:
+    """One round of DP-FedAvg, as it was sampled, as a `dp_accounting` event."""
     import dp_accounting
 
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    if sampling_rate >= 1.0:
-        return gaussian
-    return dp_accounting.PoissonSampledDpEvent(sampling_rate, gaussian)
+    if per_round >= num_clients:
+        return dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling == "poisson":
+        return dp_accounting.PoissonSampledDpEvent(
+            per_round / num_clients, dp_accounting.GaussianDpEvent(noise_multiplier)
+        )
+    if sampling != "uniform":
+        raise ValueError(f"unknown sampling scheme {sampling!r}")
+    # replace-one: the sum's sensitivity is 2 * clip, the noise std z * clip
+    return dp_accounting.SampledWithoutReplacementDpEvent(
+        num_clients, per_round, dp_accounting.GaussianDpEvent(noise_multiplier / 2)
+    )
 
 
-def make_accountant(kind: str = "rdp", orders: Sequence[float] | None = None) -> Any:
-    """A fresh `dp_accounting` accountant (add/remove-one-client neighbouring)."""
+def make_accountant(
+    kind: str = "rdp", orders: Sequence[float] | None = None, replace: bool = False
+) -> Any:
+    """A fresh `dp_accounting` accountant: add/remove-one-client neighbouring, or replace-one."""
+    import dp_accounting
     from dp_accounting import pld, rdp
 
+    relation = (
+        dp_accounting.NeighboringRelation.REPLACE_ONE
+        if replace
+        else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
     if kind == "pld":
-        return pld.PLDAccountant()
-    return rdp.RdpAccountant(orders=list(orders) if orders is not None else None)
+        return pld.PLDAccountant(neighboring_relation=relation)
+    orders = list(orders) if orders is not None else None
+    return rdp.RdpAccountant(orders=orders, neighboring_relation=relation)
 
 
 def epsilon(
     noise_multiplier: float,
-    sampling_rate: float,
     rounds: int,
     delta: float,
+    *,
+    num_clients: int,
+    per_round: int,
+    sampling: str = "poisson",
     accountant: str = "rdp",
     orders: Sequence[float] | None = None,
 ) -> float:
@@ -75,8 +108,8 @@ def epsilon(
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        acc = make_accountant(accountant, orders)
-        acc.compose(round_event(noise_multiplier, sampling_rate), rounds)
+        acc = make_accountant(accountant, orders, replace_one(sampling, num_clients, per_round))
+        acc.compose(round_event(noise_multiplier, num_clients, per_round, sampling), rounds)
         return float(acc.get_epsilon(delta))
     finally:
         absl.setLevel(level)

@@ -7,24 +7,32 @@ client. Algorithms do not know whether privacy is on; they only declare, through
 - `weighted_mean`: a sample-weighted average of array payloads (FedAvg/FedProx/FML/LG-FedAvg,
   pFedES proxy). Without DP the client contributes `n_k * payload` and `n_k`, so the sum decodes to
   exactly the algorithm's weighted average. With DP it contributes its *update* (upload minus the
-  broadcast it received), clipped, with weight 1; the server adds noise to the sum, divides by the
-  number of contributions and adds the mean update back to the broadcast.
+  broadcast it received), clipped, with weight 1; the server adds noise to the sum, divides it by
+  the fixed denominator q * N (`per_round`, the expected participants; not the uploads that
+  arrived) and adds that mean update back to the broadcast.
 - `class_means`: per-class statistics `{"means": (C, D), "counts": (C,)}` averaged per class by
   count (FD, FedProto, pFedES `stats`). Without DP the client contributes `counts * means` and
   `counts`. With DP there is no broadcast counterpart to subtract (the statistics are not a
   model), so the contribution is the payload itself: its per-class means and a 0/1 presence
-  indicator (equal weight per client and class), clipped jointly; noisy presence sums below 0.5
-  mark a class as unseen.
+  indicator (equal weight per client and class), clipped jointly; each class's mean is its noisy
+  sum over its noisy presence sum (post-processing of the one noisy release), and presence sums
+  below 0.5 mark a class as unseen.
 
 Integer entries (BatchNorm's step counter) are neither protected nor averaged: the server keeps
-the broadcast's value. Anything else (nested dicts, per-client server logic) is refused by
+the broadcast's value. Under DP only trainable parameters may be shared: a payload holding
+normalisation running statistics (`running_mean`, `running_var`) is refused, since noise on them
+makes variances negative. Anything else (nested dicts, per-client server logic) is refused by
 `check_fits` before a run starts.
+
+The DP noise comes from `noise_key`: fresh OS entropy per run unless `privacy.dp.noise_seed` is
+set; it is saved with the server's state in checkpoints (`state_dict`), never logged.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +51,8 @@ MASKED = "secagg/masked"  # the one key of a masked upload
 PLAIN = "privacy/vector"  # the one key of a clipped but unmasked upload (DP without SecAgg)
 # Server options that act on each client's upload separately, which protections hide.
 PER_CLIENT_OPTIONS = ("weight_cap", "clip_update")
+# State-dict suffixes of normalisation statistics: buffers, not trainable parameters.
+RUNNING_STATS = ("running_mean", "running_var")
 
 
 def sum_form(algo: Algorithm, params: Any) -> str | None:
@@ -75,14 +85,44 @@ def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
             )
 
 
+def check_accounting(cfg: RunConfig) -> None:
+    """Refuse, in one line, a DP run whose sampling the chosen accountant cannot account."""
+    d, n, k = cfg.privacy.dp, cfg.data.num_clients, clients_per_round(cfg)
+    if not d.enabled:
+        return
+    if d.accountant == "pld" and dp.replace_one(cfg.engine.sampling, n, k):
+        raise ConfigError(
+            "privacy.dp.accountant=pld has no event for engine.sampling=uniform (a fixed number of "
+            "clients drawn without replacement); use privacy.dp.accountant=rdp or "
+            "engine.sampling=poisson"
+        )
+    if cfg.engine.sampling == "poisson" and k < n:
+        # an empty draw is redrawn (rayfl.engine.sampling), which the accountant does not see
+        empty = cfg.engine.rounds * (1.0 - k / n) ** n
+        if empty > d.delta:
+            raise ConfigError(
+                f"engine.sampling=poisson draws no client in some round with probability {empty:.2g} "
+                f"> privacy.dp.delta={d.delta:g}, which the reported epsilon would not cover; "
+                "raise engine.fraction or data.num_clients"
+            )
+
+
 def hook_for(algo: Algorithm, cfg: RunConfig) -> PrivacyHook | None:
     """The run's privacy hook, or None when no protection is on."""
     if not cfg.privacy.enabled:
         return None
     check_fits(algo, cfg.privacy, cfg.algorithm.params)
+    check_accounting(cfg)
     form = sum_form(algo, cfg.algorithm.params)
     assert form is not None
-    return PrivacyHook(cfg.privacy, form, cfg.seed, cfg.data.num_clients, clients_per_round(cfg))
+    return PrivacyHook(
+        cfg.privacy,
+        form,
+        cfg.seed,
+        cfg.data.num_clients,
+        clients_per_round(cfg),
+        cfg.engine.sampling,
+    )
 
 
 class Layout:
@@ -130,19 +170,32 @@ class PrivacyHook:
     Args:
         cfg: the `privacy` config section.
         form: the algorithm's `Server.sum_form`.
-        seed: the run seed (masks, dropout and noise derive from it, the round and the client).
+        seed: the public run seed (SecAgg keys, masks and the simulated dropout derive from it,
+            the round and the client: the simulation's secrets are not secret).
         num_clients: clients in the federation.
-        per_round: clients sampled per round (the SecAgg participants; q = per_round / num_clients).
+        per_round: clients per round (`uniform`) or their expected number q * N (`poisson`); the
+            DP estimator's fixed denominator.
+        sampling: `engine.sampling`, the scheme the participants are drawn by and accounted as.
     """
 
     def __init__(
-        self, cfg: PrivacyConfig, form: str, seed: int, num_clients: int, per_round: int
+        self,
+        cfg: PrivacyConfig,
+        form: str,
+        seed: int,
+        num_clients: int,
+        per_round: int,
+        sampling: str = "uniform",
     ) -> None:
         self.cfg = cfg
         self.form = form
         self.seed = seed
         self.num_clients = num_clients
         self.per_round = per_round
+        self.sampling = sampling
+        # The secret of the DP noise: 128 bits of OS entropy unless the config pins it (unsafe).
+        seed_cfg = cfg.dp.noise_seed
+        self.noise_key: int = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
 
     @property
     def sampling_rate(self) -> float:
@@ -151,7 +204,35 @@ class PrivacyHook:
     def participants(self, round_idx: int) -> list[int]:
         from rayfl.engine.sampling import sample_clients
 
-        return sample_clients(self.seed, round_idx, self.num_clients, self.per_round)
+        return sample_clients(self.seed, round_idx, self.num_clients, self.per_round, self.sampling)
+
+    def noise(self, size: int, round_idx: int) -> np.ndarray:
+        """This round's Gaussian noise (std z * clip) for a sum of `size` entries."""
+        d = self.cfg.dp
+        key = [self.noise_key >> s & 0xFFFFFFFF for s in range(0, 128, 32)]
+        return dp.gaussian_noise(
+            size, d.noise_multiplier * d.clip, [*key, round_idx, int(Purpose.PRIVACY)]
+        )
+
+    def epsilon(self, rounds: int) -> float:
+        """The cumulative epsilon after `rounds` rounds, for the sampling that ran."""
+        d = self.cfg.dp
+        return dp.epsilon(
+            d.noise_multiplier,
+            rounds,
+            d.delta,
+            num_clients=self.num_clients,
+            per_round=self.per_round,
+            sampling=self.sampling,
+            accountant=d.accountant,
+        )
+
+    def state_dict(self) -> dict[str, str]:
+        """What a checkpoint must keep for a resumed run to draw the same noise."""
+        return {"noise_key": f"{self.noise_key:x}"}
+
+    def load_state_dict(self, state: Mapping[str, str]) -> None:
+        self.noise_key = int(str(state["noise_key"]), 16)
 
     def _secagg(self, round_idx: int) -> secagg.SecAggRound:
         return secagg.SecAggRound(
@@ -187,9 +268,10 @@ class PrivacyHook:
             layout = Layout(sent)
             ints = {k: np.array(v) for k, v in sent.items() if k not in layout.keys}
             if self.cfg.dp.enabled:
-                mean_update = total / max(1, contributors)
+                # the fixed denominator q * N: the arrivals' count would be data-dependent
+                mean_update = total / self.per_round
                 out = layout.unflatten(layout.flatten(sent) + mean_update)
-                return {**ints, **out}, contributors
+                return {**ints, **out}, max(1, contributors)
             weight = float(total[-1])
             out = layout.unflatten(total[:-1] / weight)
             return {**ints, **out}, max(1, int(round(weight)))
@@ -226,8 +308,9 @@ class PrivacyHook:
         if not self.cfg.secagg.enabled:
             return {PLAIN: vec.astype(np.float32)}  # what a float upload would cost
         sa = self.cfg.secagg
-        ring = secagg.encode(vec, sa.frac_bits, self.per_round)
-        masked = self._secagg(round_idx).mask(client_id, ring)
+        protocol = self._secagg(round_idx)
+        ring = secagg.encode(vec, sa.frac_bits, len(protocol.participants))
+        masked = protocol.mask(client_id, ring)
         rng = np.random.default_rng(
             seed_of(words(Purpose.PRIVACY, self.seed, round_idx, client_id))
         )
@@ -242,6 +325,8 @@ class PrivacyHook:
         """Unmask and noise the round's sum; one reply standing for all clients, and metrics."""
         first = replies[0]
         base = sent.get(first.arch) or next(iter(sent.values()))
+        if self.cfg.dp.enabled:
+            check_trainable_only(base)
         arrived = [r for r in replies if r.payload]
         metrics: dict[str, float] = {
             "privacy/dropped": float(len(self.participants(round_idx)) - len(arrived))
@@ -259,15 +344,8 @@ class PrivacyHook:
                 [np.asarray(r.payload[PLAIN], dtype=np.float64) for r in arrived], axis=0
             )
         if self.cfg.dp.enabled:
-            d = self.cfg.dp
-            total = total + dp.gaussian_noise(
-                total.size,
-                d.noise_multiplier * d.clip,
-                seed_of(words(Purpose.PRIVACY, self.seed, round_idx)),
-            )
-            metrics["privacy/epsilon"] = dp.epsilon(
-                d.noise_multiplier, self.sampling_rate, round_idx, d.delta, d.accountant
-            )
+            total = total + self.noise(total.size, round_idx)
+            metrics["privacy/epsilon"] = self.epsilon(round_idx)
         payload, weight = self.decode(total, len(arrived), base)
         combined = Reply(-1, first.arch, weight, payload)
         return [combined], metrics
@@ -279,3 +357,14 @@ class PrivacyHook:
             return n if self.cfg.dp.enabled else n + 1
         c = len(sent["counts"])
         return int(np.asarray(sent["means"]).size) + c
+
+
+def check_trainable_only(sent: Mapping[str, Any]) -> None:
+    """Refuse, in one line, DP on a payload that shares normalisation running statistics."""
+    stats = [k for k in sorted(sent) if k.endswith(RUNNING_STATS)]
+    if stats:
+        raise UserError(
+            f"privacy.dp would add noise to the normalisation statistic {stats[0]!r} (a buffer, not a "
+            "trainable parameter; noise makes variances negative); use a model without BatchNorm "
+            "(mlp, cnn_small) or turn privacy.dp off"
+        )

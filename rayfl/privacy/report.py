@@ -112,11 +112,21 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
             ax.axhline(
                 r["acc"], linestyle=styles[i % len(styles)], color=color, label=f"{label} (no DP)"
             )
+    xlabel = "epsilon (client-level, at the run's delta)"
+    return save_epsilon_plot(
+        fig, ax, out, xlabel, ACC, "pFedES: personalized accuracy vs privacy budget"
+    )
+
+
+def save_epsilon_plot(fig: Any, ax: Any, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Finish an accuracy-vs-epsilon plot (log epsilon axis, legend) and write it to `out`."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log")
-    ax.set_xlabel("epsilon (client-level, at the run's delta)")
-    ax.set_ylabel(ACC)
-    ax.set_title("pFedES: personalized accuracy vs privacy budget")
-    ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -175,6 +175,7 @@ def test_protected_runs_are_the_same_on_ray_and_serial(ray_local, synthetic_raw,
         "privacy.dp.enabled=true",
         "privacy.secagg.dropout=0.2",
         "privacy.secagg.threshold=0.3",  # unmasks with 2 of 6: the seeded dropouts may take 3
+        "privacy.dp.noise_seed=7",  # the same noise on both executors (unset: fresh per run)
     ]
     runs = []
     for executor in (
@@ -187,3 +188,27 @@ def test_protected_runs_are_the_same_on_ray_and_serial(ray_local, synthetic_raw,
     assert [[row[k] for k in keys] for row in runs[0]] == [
         [row[k] for k in keys] for row in runs[1]
     ]
+
+
+def test_secagg_and_dp_under_poisson_sampling_sum_the_drawn_clients(synthetic_raw, tmp_path):
+    raw = copy.deepcopy(synthetic_raw)
+    raw["data"]["num_clients"] = 12
+    raw["algorithm"] = {"name": "fedavg"}
+    raw["model"] = {"architectures": ["tiny_a"]}
+    common = [
+        "engine.sampling=poisson",
+        "engine.clients_per_round=6",
+        "privacy.dp.enabled=true",
+        "privacy.dp.delta=0.01",
+        "privacy.dp.noise_seed=1",
+        "eval.protocol=after_fit",
+    ]
+    plain = Simulation(build_config(raw, common), tmp_path / "dp").run().history
+    masked = Simulation(
+        build_config(raw, [*common, "privacy.secagg.enabled=true"]), tmp_path / "sa"
+    ).run()
+    # the masks cancel over exactly the clients the loop drew: the same model as without SecAgg
+    assert [r["clients"] for r in masked.history] == [r["clients"] for r in plain]
+    for a, b in zip(masked.history, plain):
+        assert a["global/acc"] == pytest.approx(b["global/acc"], abs=1e-9)
+        assert a["privacy/dropped"] == 0.0
