@@ -264,7 +264,7 @@ def floor_shares(
     jobs = [
         (rnd, c)
         for rnd in range(1, cfg.engine.rounds + 1)
-        for c in sample_clients(cfg.seed, rnd, cfg.data.num_clients, per_round)
+        for c in sample_clients(cfg.seed, rnd, cfg.data.num_clients, per_round, cfg.engine.sampling)
     ]
     jobs.sort(key=lambda j: (-train_sizes[j[1]], j))
     shares: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
