@@ -22,8 +22,10 @@ Two choices of the official code (yuetan031/FedProto `lib/update.py` `update_wei
   model computed *during* local training (train mode, before each step's update), as the
   official code and HtFLlib's `clientproto.py` do. rayfl averages over every step of the round,
   as HtFLlib does; the official code keeps the last local epoch only (the same at
-  `local_epochs: 1`, both papers' setting). `collect: after`: one eval-mode pass over the
-  training split after training (the prototypes of the model as trained).
+  `local_epochs: 1`, both papers' setting). Such a step accumulates as it trains, which
+  `engine.grouped` cannot vectorize: those clients train one by one (same numbers, a warning).
+  `collect: after`: one eval-mode pass over the training split after training (the prototypes
+  of the model as trained).
 - `average: clients` (default): each class's global prototype is the unweighted mean over the
   clients that hold the class (official `proto_aggregation`). The client uploads 0/1 presence as
   its counts, so the server's count-weighted average is that mean, and privacy's `class_means`
