@@ -6,7 +6,11 @@ round; rayfl's server builds a fresh head of the first architecture from the ser
 This script runs both on the same partitions for several seeds and writes the per-round
 accuracies to a JSON file:
 
-    nice -n 19 python experiments/paper/fedgh_header_init.py --out docs/results/fedgh_header_init.json
+    nice -n 19 python experiments/paper/fedgh_header_init.py --rounds 6 --train-samples 3000 \
+        --out docs/results/fedgh_header_init.json
+
+(or one process per init and seed, `--inits fresh --seeds 1 --out part.json`, then
+`--merge part*.json --out ...`).
 
 `client0` reproduces client 0's initial head by building its model from the engine's
 initialisation seed for client 0 (`derive_seed(seed, 0, INIT)`, as the worker does).
@@ -65,7 +69,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--train-samples", type=int, default=6000)
+    ap.add_argument("--inits", nargs="+", default=["fresh", "client0"])
+    ap.add_argument("--merge", type=Path, nargs="+", help="merge these outputs into --out")
+    ap.add_argument("--note", default="", help="with --merge: command, commit and date to record")
     args = ap.parse_args()
+    if args.merge:  # runs split over processes: one file each
+        parts = [json.loads(p.read_text()) for p in args.merge]
+        merged: dict[str, dict[str, list[float]]] = {}
+        for part in parts:
+            for init, seeds in part["acc"].items():
+                merged.setdefault(init, {}).update(seeds)
+        out = {**parts[0], "acc": merged, **json.loads(args.note or "{}")}
+        args.out.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        return
     ALGORITHMS.add(
         "fedgh_client0",
         Algorithm(
@@ -77,18 +94,22 @@ def main() -> None:
         ),
     )
     results: dict[str, dict[str, list[float]]] = {}
-    for init, name in (("fresh", "fedgh"), ("client0", "fedgh_client0")):
+    names = {"fresh": "fedgh", "client0": "fedgh_client0"}
+    for init in args.inits:
+        name = names[init]
         for seed in args.seeds:
             raw = copy.deepcopy(BASE)
             raw["seed"] = seed
             raw["algorithm"]["name"] = name
             raw["engine"]["rounds"] = args.rounds
+            raw["data"]["train_samples"] = args.train_samples
             with tempfile.TemporaryDirectory() as tmp:
                 result = Simulation(build_config(raw), Path(tmp)).run()
             accs = [h["personal/acc"] for h in result.history if "personal/acc" in h]
             results.setdefault(init, {})[str(seed)] = accs
             print(init, seed, [round(a, 4) for a in accs], flush=True)
-            args.out.write_text(json.dumps({"config": BASE, "acc": results}, indent=1) + "\n")
+            config = {**BASE, "rounds": args.rounds, "train_samples": args.train_samples}
+            args.out.write_text(json.dumps({"config": config, "acc": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
