@@ -8,9 +8,16 @@ logits towards the federation's mean logits of its label:
     loss = CE(f(x), y) + gamma * MSE(f(x), G[y])
 
 (`MSE` over the classes whose global entry exists; unseen classes contribute zero, see
-`rayfl.algorithms.protos.masked_class_mse`). The paper distils with a KL on the global logits and
-excludes each client's own contribution; rayfl uses the squared distance of the HtFLlib
-implementation and the plain global average.
+`rayfl.algorithms.protos.masked_class_mse`).
+
+What rayfl does and why: the paper distils with a KL on the global logits and excludes each
+client's own contribution. HtFLlib (`clientfd.py`, run as `FedDistill -lam 1` in `total.sh`)
+takes a cross-entropy against the averaged logits of the label: at commit ca3e29a the raw
+averaged logits are the target "distribution" (`CE(output, global_logits[y])`, no softmax),
+which is unbounded below and diverges; a later commit (17f851e) softmaxes them first. rayfl
+uses neither: it regresses the logits onto the label's global mean logits with the squared
+distance (bounded, and a function of the averaged logits alone), with the plain global average
+(the client's own contribution included). `gamma` defaults to 1, HtFLlib's `-lam 1` for FD.
 
 Logits have `num_classes` entries whatever the architecture, so unlike prototype methods FD does
 *not* need a common feature size (`needs_common_feature_dim=False`): any family whose models
@@ -43,7 +50,7 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class FDParams:
-    gamma: float = 1.0  # weight of the distance to the global class logits
+    gamma: float = 1.0  # weight of the distance to the global class logits (HtFLlib -lam 1)
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")

@@ -46,8 +46,11 @@ from rayfl.registry import ALGORITHMS
 
 @dataclass(frozen=True)
 class FedMDParams:
-    public_samples: int = 500  # the first this many public samples are the shared set
-    digest_epochs: int = 1  # passes over the public set fitting the consensus
+    # the first this many public samples are the shared set (all of them when the split is
+    # smaller): 5000, the official code's N_alignment (diogenes0319/FedMD_clean conf/*.json),
+    # which draws a fresh random 5000 each round where rayfl keeps the same ones
+    public_samples: int = 5000
+    digest_epochs: int = 1  # passes fitting the consensus (official N_logits_matching_round 1)
     digest_loss: Literal["l1", "mse"] = "l1"  # l1: the paper's code (mean absolute error on logits)
     digest_lr: float | None = None  # None: train.lr
 

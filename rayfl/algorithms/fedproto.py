@@ -14,7 +14,25 @@ Shares: per-class mean features and per-class counts up (`C x (D + 1)` floats); 
 prototypes down.
 Keeps local: the whole model. It deploys its own head (`predict: head`) or, as in the paper,
 the class of the nearest global prototype (`predict: prototype`).
-Server: per-class average of the client prototypes, weighted by their class counts.
+Server: per-class average of the client prototypes.
+
+Two choices of the official code (yuetan031/FedProto `lib/update.py` `update_weights_het`,
+`lib/utils.py` `proto_aggregation`) are options, with the official behaviour as default:
+- `collect: train` (default): a client's prototypes are the means of the representations its
+  model computed *during* local training (train mode, before each step's update), as the
+  official code and HtFLlib's `clientproto.py` do. rayfl averages over every step of the round,
+  as HtFLlib does; the official code keeps the last local epoch only (the same at
+  `local_epochs: 1`, both papers' setting). Such a step accumulates as it trains, which
+  `engine.grouped` cannot vectorize: those clients train one by one (same numbers, a warning).
+  `collect: after`: one eval-mode pass over the training split after training (the prototypes
+  of the model as trained).
+- `average: clients` (default): each class's global prototype is the unweighted mean over the
+  clients that hold the class (official `proto_aggregation`). The client uploads 0/1 presence as
+  its counts, so the server's count-weighted average is that mean, and privacy's `class_means`
+  sum form protects it unchanged. `average: samples`: weighted by the clients' class counts.
+
+`lam` defaults to 1, the official FedProto code's `--ld` default (README "Options"; its MNIST
+and FEMNIST commands use 1, CIFAR-10 0.1). HtFLlib's `total.sh` runs FedProto with `-lam 10`.
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ from rayfl.algorithms.base import (
     Payload,
     RoundContext,
     ServerContext,
+    Trainer,
 )
 from rayfl.errors import require
 from rayfl.models import build_model
@@ -45,9 +64,23 @@ class FedProtoParams:
     # what the client deploys: its own head, or the nearest global prototype (the paper's and
     # the official code's inference; HtFLlib scores FedProto this way)
     predict: Literal["head", "prototype"] = "head"
+    # prototypes from the representations of the training steps (official) or from a pass after
+    collect: Literal["train", "after"] = "train"
+    # global prototype: unweighted mean over clients (official) or weighted by class counts
+    average: Literal["clients", "samples"] = "clients"
 
     def __post_init__(self) -> None:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
+        require(
+            self.collect in ("train", "after"),
+            "algorithm.collect",
+            f"must be train or after (got {self.collect!r})",
+        )
+        require(
+            self.average in ("clients", "samples"),
+            "algorithm.average",
+            f"must be clients or samples (got {self.average!r})",
+        )
 
 
 class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
@@ -55,12 +88,47 @@ class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
+        # per-class sums and counts of this round's training representations (collect: train)
+        self.step_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
 
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train(self, trainer: Trainer) -> dict[str, float]:
+        if self.params.collect == "after":
+            return super().train(trainer)
+        self.step_sums = None
+        # A closure, not the method: the step has a side effect (it accumulates representations)
+        # that grouped training cannot vectorize, and the engine trains a non-method step alone.
+        return trainer.run(lambda x, y: self.collecting_step(x, y), [self.model])
+
+    def collecting_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`training_step` that also adds the batch's representations (train mode, before the
+        update) to the round's per-class sums."""
         features = self.model.features(x)
+        sums, counts = protos.class_sums(features.detach().float(), y, self.ctx.num_classes)
+        if self.step_sums is not None:
+            sums, counts = sums + self.step_sums[0], counts + self.step_sums[1]
+        self.step_sums = (sums, counts)
+        return self.loss(features, y)
+
+    def collect(self, trainer: Trainer) -> Payload:
+        if self.params.collect == "train" and self.step_sums is not None:
+            stats = protos.stats_payload(*self.step_sums)
+            self.step_sums = None
+        else:
+            stats = super().collect(trainer)
+        return protos.presence(stats) if self.averaged_over_clients() else stats
+
+    def averaged_over_clients(self) -> bool:
+        """Whether the server should average each class's prototypes over clients, unweighted."""
+        return self.params.average == "clients"
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model.features(x), y)
+
+    def loss(self, features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """CE of the head on `features` plus `lam` times their distance to the global prototypes."""
         loss = F.cross_entropy(self.model.head(features), y)
         if self.params.lam > 0:
             loss = loss + self.params.lam * protos.masked_class_mse(

@@ -12,6 +12,16 @@ the `VARIANTS` table (a new variant is one `register_variant` call):
 - `input` (the official code): a tiny image-to-image proxy G before the local model F. Stage 1
   trains F on `(1-mu) CE(F(x)) + mu CE(F(G(x)))` with G frozen; stage 2 trains G on `CE(F(G(x)))`
   with F frozen for `proxy_epochs` (official: local_epochs + 10). Inference uses F alone.
+  Two quirks of the official code (LipingYi/pFedES `pFedES_mh.py`) are options, off by default:
+  `shared_optimizer: true` keeps ONE SGD momentum state for G across clients and rounds (the
+  official `optimizer_gen` is built once); in a federation whose clients train in parallel the
+  buffer travels with the proxy: the server broadcasts it, every client continues from it, and
+  the server averages the clients' final buffers with the proxy's weights. (The official loop
+  also hands it from one client to the next within a round, a sequential chain that parallel
+  clients have no counterpart of.) `weights: all` weighs each client's proxy by all of its
+  samples, train and test (official: train + val + test), instead of its training samples.
+  The official code also starts every client of an architecture from the same weights; rayfl
+  initializes each client from its own seed.
 
 Both variants score the global proxy they *received* (a frozen copy kept before local training):
 `pfedes/proxy_acc` on the client's test split (kd: the proxy's own head; input: F after G), and
@@ -29,10 +39,11 @@ the server and the received-proxy scoring) and the variant table, in one module 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,6 +88,12 @@ class PFedESParams:
     clip_update: float | None = None  # server: L2 bound on each client's proxy update (e.g. 5.0)
     ema: float | None = None  # server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)
     ema_every: int = 1  # server: apply the EMA every k rounds (plain replacement otherwise)
+    # input: one momentum state for G across clients and rounds, as the official code's single
+    # `optimizer_gen` (needs train.optimizer sgd); false: a fresh optimizer per client and round
+    shared_optimizer: bool = False
+    # input: aggregation weights from the training samples (`train`) or from all of a client's
+    # samples, train and test (`all`: the official code counts train + val + test)
+    weights: Literal["train", "all"] = "train"
 
     def __post_init__(self) -> None:
         require(
@@ -115,6 +132,20 @@ class PFedESParams:
             "algorithm.proxy_epochs",
             "must be >= 0",
         )
+        require(
+            self.weights in ("train", "all"),
+            "algorithm.weights",
+            f"must be train or all (got {self.weights!r})",
+        )
+        for key, on in (
+            ("shared_optimizer", self.shared_optimizer),
+            ("weights", self.weights == "all"),
+        ):
+            require(
+                not on or self.variant == "input",
+                f"algorithm.{key}",
+                "reproduces the official code's variant; set algorithm.variant=input or drop it",
+            )
 
 
 @dataclass(frozen=True)
@@ -158,6 +189,8 @@ def _variant_new(
         return super(base, cls).__new__(cls)
     params = args[1] if len(args) > 1 else kwargs["params"]  # (ctx, params)
     target: Any = getattr(VARIANTS[params.variant], half)
+    if half == "server":
+        target = PFedESServer.variant_class(params)
     if not issubclass(target, base):
         return target(*args, **kwargs)  # a variant with halves of its own (stats)
     return super(base, base).__new__(target)
@@ -237,8 +270,34 @@ class PFedESKDClient(PFedESClient):
         return out
 
 
+MOMENTUM = "momentum."  # payload prefix of G's shared SGD momentum (shared_optimizer)
+WEIGHT = "weight"  # payload key of a client's aggregation weight (weights: all)
+
+
+def split_payload(payload: Payload) -> tuple[Payload, Payload, float | None]:
+    """`(proxy state, momentum buffers by parameter name, client weight or None)` of an upload."""
+    state = {k: v for k, v in payload.items() if not k.startswith(MOMENTUM) and k != WEIGHT}
+    momentum = {k[len(MOMENTUM) :]: v for k, v in payload.items() if k.startswith(MOMENTUM)}
+    weight = float(payload[WEIGHT]) if WEIGHT in payload else None
+    return state, momentum, weight
+
+
 class PFedESInputClient(PFedESClient):
     """Variant `input` (the official code): an image-to-image proxy G before the local model F."""
+
+    def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
+        super().__init__(ctx, params)
+        require(
+            not params.shared_optimizer or ctx.train.optimizer == "sgd",
+            "algorithm.shared_optimizer",
+            "shares an SGD momentum state; set train.optimizer=sgd or drop it",
+        )
+        self.momentum: Payload = {}
+        self.weight = 0.0
+
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        state, self.momentum, _ = split_payload(payload)
+        super().receive(state, rnd)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         # stage 1 trains F with G frozen, stage 2 trains G through a frozen F.
@@ -247,8 +306,58 @@ class PFedESInputClient(PFedESClient):
         self.model.eval()
         epochs = self.params.proxy_epochs
         epochs = self.ctx.train.local_epochs + 10 if epochs is None else epochs
-        stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
+        if self.params.shared_optimizer:
+            stage2 = self._stage2_shared(trainer, epochs)
+        else:
+            stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
+        if self.params.weights == "all":
+            self.weight = float(
+                trainer.num_samples + sum(len(y) for _, y in trainer.batches("test"))
+            )
         return {"loss": stage1["loss"], "pfedes/proxy_loss": stage2["loss"]}
+
+    def _stage2_shared(self, trainer: Trainer, epochs: int) -> dict[str, float]:
+        """Stage 2 with the federation's SGD momentum for G: continue from the received buffers
+        and keep the final ones for upload (the official code's single `optimizer_gen`)."""
+        s = self.ctx.train
+        named = dict(self.proxy.named_parameters())
+        sgd = torch.optim.SGD(
+            named.values(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
+        )
+        for name, buf in self.momentum.items():
+            sgd.state[named[name]]["momentum_buffer"] = torch.as_tensor(
+                np.array(buf), device=named[name].device
+            )
+        self.proxy.train()
+        self.model.requires_grad_(False)  # gradients flow through F to G; F takes none
+        total, count = 0.0, 0
+        try:
+            for _ in range(epochs):
+                for x, y in trainer.batches("train", shuffle=True):
+                    loss = self._stage2_step(x, y)
+                    sgd.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if s.grad_clip:
+                        torch.nn.utils.clip_grad_norm_(self.proxy.parameters(), s.grad_clip)
+                    sgd.step()
+                    total += float(loss.detach()) * len(y)
+                    count += len(y)
+        finally:
+            self.model.requires_grad_(True)
+        self.momentum = {
+            name: sgd.state[p]["momentum_buffer"].detach().cpu().numpy().copy()
+            for name, p in named.items()
+            if "momentum_buffer" in sgd.state[p]
+        }
+        return {"loss": total / count if count else float("nan")}
+
+    def upload(self) -> Payload:
+        up = super().upload()
+        if self.params.shared_optimizer:
+            up.update({MOMENTUM + k: v for k, v in self.momentum.items()})
+        if self.params.weights == "all":
+            up[WEIGHT] = np.array(self.weight, dtype=np.float32)
+        return up
 
     def _stage1_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -269,11 +378,15 @@ class PFedESServer(Server[PFedESParams]):
     """Sample-weighted proxy average (optional weight cap, update clipping, EMA).
     `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
 
-    sum_form = "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
+    sum_form: ClassVar[str | None] = (
+        "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
+    )
 
     @staticmethod
     def variant_class(params: PFedESParams) -> type[Server[PFedESParams]]:
         """The server half of `params.variant` (what `rayfl.privacy` asks for its sum form)."""
+        if params.weights == "all":
+            return PFedESOwnWeightsServer
         return VARIANTS[params.variant].server
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -282,21 +395,28 @@ class PFedESServer(Server[PFedESParams]):
     def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.proxy = build_proxy(params, ctx.in_shape, ctx.num_classes).to(ctx.device)
+        self.momentum: Payload = {}  # G's shared SGD momentum (shared_optimizer)
 
     def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
-        return to_numpy(self.proxy.state_dict())
+        down = to_numpy(self.proxy.state_dict())
+        down.update({MOMENTUM + k: v for k, v in self.momentum.items()})
+        return down
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         p = self.params
         current = to_numpy(self.proxy.state_dict())
-        updates = [fn.subtract(r.payload, current) for r in replies]
+        parts = [split_payload(r.payload) for r in replies]
+        updates = [fn.subtract(state, current) for state, _, _ in parts]
         if p.clip_update is not None:
             updates = [fn.clip_update(u, p.clip_update) for u in updates]
-        weights = fn.normalized_weights([r.num_samples for r in replies], cap=p.weight_cap)
+        counts = [r.num_samples if w is None else w for r, (_, _, w) in zip(replies, parts)]
+        weights = fn.normalized_weights(counts, cap=p.weight_cap)
         aggregated = fn.add(current, fn.weighted_average(updates, weights))
         if p.ema is not None and rnd.index % p.ema_every == 0:
             aggregated = fn.ema(current, aggregated, p.ema)
         load_numpy(self.proxy, aggregated)
+        if p.shared_optimizer:
+            self.momentum = fn.weighted_average([m for _, m, _ in parts], weights)
         return {}
 
     def eval_models(self) -> dict[str, nn.Module]:
@@ -305,6 +425,20 @@ class PFedESServer(Server[PFedESParams]):
 
     def state_modules(self) -> dict[str, nn.Module]:
         return {"proxy": self.proxy}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "momentum": dict(self.momentum)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.momentum = {k: np.array(v) for k, v in state.get("momentum", {}).items()}
+
+
+class PFedESOwnWeightsServer(PFedESServer):
+    """The pFedES server with each client's own aggregation weight (`weights: all`): a protected
+    sum carries only the training counts, so privacy refuses it (`sum_form = None`)."""
+
+    sum_form = None
 
 
 register_variant(

@@ -64,10 +64,15 @@ def class_means(
         counts = c if counts is None else counts + c
     if sums is None or counts is None:
         raise ValueError("class_means needs at least one batch")
+    return stats_payload(sums, counts)
+
+
+def stats_payload(sums: torch.Tensor, counts: torch.Tensor) -> Payload:
+    """A class-statistics payload from per-class sums `(C, D)` and counts `(C,)`."""
     means = sums / counts.clamp(min=1.0).unsqueeze(1)
     return {
-        "means": means.cpu().numpy().astype(np.float32),
-        "counts": counts.cpu().numpy().astype(np.float32),
+        "means": means.detach().cpu().numpy().astype(np.float32),
+        "counts": counts.detach().cpu().numpy().astype(np.float32),
     }
 
 
@@ -95,6 +100,14 @@ def aggregate_class_means(stats: Sequence[Mapping[str, np.ndarray]]) -> Payload:
         counts += n
     means = sums / np.maximum(counts, 1.0)[:, None]
     return {"means": means.astype(np.float32), "counts": counts.astype(np.float32)}
+
+
+def presence(stats: Mapping[str, np.ndarray]) -> Payload:
+    """The payload with its counts replaced by 0/1 presence: count-weighted aggregation of such
+    payloads is the unweighted mean over the clients that hold each class (FedProto's official
+    `proto_aggregation`)."""
+    counts = (np.asarray(stats["counts"]) > 0).astype(np.float32)
+    return {"means": np.asarray(stats["means"], dtype=np.float32), "counts": counts}
 
 
 def stats_tensors(
@@ -156,10 +169,14 @@ class ClassStatsClient(ModelClient[P]):
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         metrics = self.train(trainer)
-        # The shared statistics describe the model as trained this round.
-        self.model.eval()
-        self.stats = class_means(self.statistic, trainer.batches("train"), self.ctx.num_classes)
+        self.stats = self.collect(trainer)
         return metrics
+
+    def collect(self, trainer: Trainer) -> Payload:
+        """The statistics to upload (default: one eval-mode pass over the training split after
+        training, so they describe the model as trained this round)."""
+        self.model.eval()
+        return class_means(self.statistic, trainer.batches("train"), self.ctx.num_classes)
 
     def upload(self) -> Payload:
         return self.stats

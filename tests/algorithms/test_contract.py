@@ -55,7 +55,9 @@ CONTRACT_PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def contract_raw(name: str, architectures: list[str] | None = None) -> dict[str, Any]:
+def contract_raw(
+    name: str, architectures: list[str] | None = None, num_samples: int = 600, num_test: int = 200
+) -> dict[str, Any]:
     algo = ALGORITHMS.get(name)
     if architectures is not None:
         model: dict[str, Any] = {"architectures": architectures}
@@ -72,7 +74,7 @@ def contract_raw(name: str, architectures: list[str] | None = None) -> dict[str,
             "num_clients": 3,
             "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 10},
             "public_fraction": 0.2 if algo.needs_public else 0.0,
-            "options": {"num_samples": 600, "num_test": 200, "shape": [1, 8, 8]},
+            "options": {"num_samples": num_samples, "num_test": num_test, "shape": [1, 8, 8]},
         },
         "model": model,
         "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.05},
@@ -81,14 +83,14 @@ def contract_raw(name: str, architectures: list[str] | None = None) -> dict[str,
     }
 
 
-def run_contract(name: str, run_dir: Path) -> tuple[Simulation, Capture, Any]:
-    """Run the contract config; width-sliced algorithms (HeteroFL, FedFD, ...) that refuse
-    `tiny2` with a ConfigError get the fallback family instead."""
+def run_contract(name: str, run_dir: Path, **sizes: int) -> tuple[Simulation, Capture, Any]:
+    """Run the contract config (`sizes`: `contract_raw`'s data sizes); width-sliced algorithms
+    (HeteroFL, FedFD, ...) that refuse `tiny2` with a ConfigError get the fallback family."""
     for archs in (None, FALLBACK_ARCHS):
         capture = Capture()
         try:
             sim = Simulation(
-                build_config(contract_raw(name, archs)), run_dir / str(archs is not None)
+                build_config(contract_raw(name, archs, **sizes)), run_dir / str(archs is not None)
             )
             sim.callbacks.append(capture)
             return sim, capture, sim.run()

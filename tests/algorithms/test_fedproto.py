@@ -95,3 +95,63 @@ def test_prototype_prediction_picks_the_nearest_known_prototype():
     assert logits[0, 2].item() == float("-inf")
     head = FedProtoClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), FedProtoParams())
     assert head.eval_model() is head.model
+
+
+def _trainer(lr, batch_size=100):
+    from rayfl.data.datasets import load_dataset
+    from rayfl.engine.training import LocalTrainer
+
+    ds = load_dataset("synthetic", num_samples=120, num_test=20, shape=SHAPE, num_classes=2)
+    settings = TrainConfig(batch_size=batch_size, lr=lr, momentum=0.0, local_epochs=1)
+    gen = torch.Generator().manual_seed(0)
+    return LocalTrainer(ds, np.arange(100), np.arange(100, 120), settings, CPU, gen)
+
+
+def _fitted_upload(lr, **kw):
+    torch.manual_seed(0)
+    client = FedProtoClient(
+        ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FedProtoParams(**kw)
+    )
+    initial = {k: v.clone() for k, v in client.model.state_dict().items()}
+    trainer = _trainer(lr)
+    client.fit(trainer)
+    return client, initial, trainer
+
+
+def test_collect_train_uploads_the_representations_seen_during_training():
+    from rayfl.algorithms.protos import class_means
+
+    # One batch holding every sample: the training step sees the model before its only update,
+    # so `collect: train` (official) uploads the initial model's prototypes, `after` the trained one's.
+    client, initial, trainer = _fitted_upload(0.5, collect="train", average="samples")
+    up = client.upload()
+    trained = class_means(client.model.features, trainer.batches("train"), 2)
+    client.model.load_state_dict(initial)
+    before = class_means(client.model.features, trainer.batches("train"), 2)
+    np.testing.assert_allclose(up["means"], before["means"], atol=1e-6)
+    np.testing.assert_array_equal(up["counts"], before["counts"])
+    assert np.abs(up["means"] - trained["means"]).max() > 1e-3
+
+    after, _, trainer = _fitted_upload(0.5, collect="after", average="samples")
+    np.testing.assert_allclose(after.upload()["means"], trained["means"], atol=1e-6)
+
+
+def test_average_clients_uploads_presence_so_the_server_mean_is_unweighted():
+    client, _, _ = _fitted_upload(0.0, collect="train")  # official defaults: train, clients
+    assert FedProtoParams().collect == "train" and FedProtoParams().average == "clients"
+    up = client.upload()
+    np.testing.assert_array_equal(up["counts"], np.ones(2, np.float32))
+    sctx = ServerContext(("tiny_a",), {"tiny_a": 2}, SHAPE, 2, CPU, TrainConfig(), 0, 2)
+    server = FedProtoServer(sctx, FedProtoParams())
+    a = {"means": np.full((2, 16), 1.0, np.float32), "counts": np.array([1.0, 1.0], np.float32)}
+    b = {"means": np.full((2, 16), 4.0, np.float32), "counts": np.array([1.0, 0.0], np.float32)}
+    server.aggregate([Reply(0, "tiny_a", 2, a), Reply(1, "tiny_a", 9, b)], RND)
+    np.testing.assert_allclose(server.broadcast("tiny_a", RND)["means"][0], 2.5)  # (1 + 4) / 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "key"), [({"collect": "x"}, "collect"), ({"average": "x"}, "average")]
+)
+def test_collect_and_average_are_checked(kw, key):
+    with pytest.raises(ConfigError, match=f"algorithm.{key}"):
+        FedProtoParams(**kw)

@@ -88,3 +88,27 @@ def test_client_predicts_by_nearest_prototype_and_params_are_checked():
     for kw, key in [({"lam": -1}, "lam"), ({"margin_threshold": -1}, "margin_threshold")]:
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):
             FedTGPParams(**kw)
+
+
+def test_defaults_are_the_official_codes_and_prototypes_are_collected_after_training():
+    from rayfl.algorithms.protos import class_means
+    from rayfl.data.datasets import load_dataset
+    from rayfl.engine.training import LocalTrainer
+
+    p = FedTGPParams()
+    # TsingZ0/FedTGP system/run_me.sh: -lam 10 -se 100 -mart 100
+    assert (p.lam, p.server_epochs, p.margin_threshold, p.collect) == (10.0, 100, 100.0, "after")
+    ds = load_dataset("synthetic", num_samples=60, num_test=10, shape=SHAPE, num_classes=3)
+    settings = TrainConfig(batch_size=16, lr=0.5, local_epochs=1)
+    trainer = LocalTrainer(
+        ds, np.arange(50), np.arange(50, 60), settings, CPU, torch.Generator().manual_seed(0)
+    )
+    c = FedTGPClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), p)
+    c.fit(trainer)
+    up = c.upload()
+    expected = class_means(
+        c.model.features, trainer.batches("train"), 3
+    )  # eval mode, trained model
+    np.testing.assert_allclose(up["means"], expected["means"], atol=1e-6)
+    np.testing.assert_array_equal(up["counts"], expected["counts"])  # class counts, not presence
+    assert up["counts"].sum() == 50

@@ -215,3 +215,73 @@ def test_paper_suite_trains_the_input_proxy_for_the_official_epochs():
     suite = load_suite(root / "experiments" / "suites" / "pfedes_paper_fmnist.yaml")
     inputs = [r for r in suite.runs if r.label == "pfedes_input"]
     assert inputs and all(r.config.algorithm.params.proxy_epochs is None for r in inputs)
+
+
+def _input_client_fit(received):
+    torch.manual_seed(0)
+    settings = TrainConfig(momentum=0.9)
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), settings)
+    c = PFedESClient(ctx, PFedESParams(variant="input", proxy_epochs=1, shared_optimizer=True))
+    c.receive(received, RND)
+    c.fit(synthetic_trainer(batch_size=100))  # one batch: stage 2 takes exactly one step
+    return c.upload()
+
+
+def test_shared_optimizer_continues_from_the_received_momentum():
+    torch.manual_seed(1)
+    g = server(variant="input", shared_optimizer=True).broadcast("tiny_a", RND)
+    assert not any(k.startswith("momentum.") for k in g)  # round 1: no momentum yet
+    fresh = _input_client_fit(g)
+    buffers = {k: np.full_like(v, 0.5) for k, v in g.items()}
+    carried = _input_client_fit({**g, **{f"momentum.{k}": b for k, b in buffers.items()}})
+    for k in g:
+        # torch SGD: a new buffer is the gradient; a carried one is 0.9 * buffer + gradient
+        np.testing.assert_allclose(
+            carried[f"momentum.{k}"] - fresh[f"momentum.{k}"], 0.9 * buffers[k], atol=1e-5
+        )
+    s = server(variant="input", shared_optimizer=True)
+    s.aggregate([Reply(0, "tiny_a", 1, fresh), Reply(1, "tiny_a", 3, carried)], RND)
+    down = s.broadcast("tiny_a", RND)
+    for k in g:
+        expected = 0.25 * fresh[f"momentum.{k}"] + 0.75 * carried[f"momentum.{k}"]
+        np.testing.assert_allclose(down[f"momentum.{k}"], expected, rtol=1e-6)
+    restored = server(variant="input", shared_optimizer=True)
+    restored.load_state_dict(s.state_dict())
+    assert restored.broadcast("tiny_a", RND).keys() == down.keys()
+
+
+def test_official_weights_count_all_of_a_clients_samples():
+    from rayfl.privacy import sum_form
+    from rayfl.registry import ALGORITHMS
+
+    torch.manual_seed(0)
+    c = client(variant="input", proxy_epochs=0, weights="all")
+    c.fit(synthetic_trainer())
+    up = c.upload()
+    assert float(up["weight"]) == 120.0  # 100 train + 20 test samples
+    s = server(variant="input", weights="all")
+    g = s.broadcast("tiny_a", RND)
+    a = {k: v + 1.0 for k, v in g.items()}
+    b = {k: v + 4.0 for k, v in g.items()}
+    s.aggregate(
+        [
+            Reply(0, "tiny_a", 100, {**a, "weight": np.array(30.0, np.float32)}),
+            Reply(1, "tiny_a", 1, {**b, "weight": np.array(10.0, np.float32)}),
+        ],
+        RND,
+    )
+    new = s.broadcast("tiny_a", RND)
+    for k in g:  # weights 30 : 10, not the training counts 100 : 1
+        np.testing.assert_allclose(new[k], g[k] + 0.75 * 1.0 + 0.25 * 4.0, rtol=1e-6)
+    algo = ALGORITHMS.get("pfedes")
+    assert sum_form(algo, PFedESParams(variant="input", weights="all")) is None
+    assert sum_form(algo, PFedESParams(variant="input")) == "weighted_mean"
+
+
+@pytest.mark.parametrize("kw", [{"shared_optimizer": True}, {"weights": "all"}, {"weights": "x"}])
+def test_official_code_options_are_checked(kw):
+    with pytest.raises(ConfigError, match="algorithm."):
+        PFedESParams(**kw)  # variant kd
+    ctx = ClientContext("tiny_a", SHAPE, 3, torch.device("cpu"), TrainConfig(optimizer="adam"))
+    with pytest.raises(ConfigError, match="algorithm.shared_optimizer"):
+        PFedESClient(ctx, PFedESParams(variant="input", shared_optimizer=True))
