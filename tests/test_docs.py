@@ -60,15 +60,12 @@ def test_readme_configuration_names_every_section_and_key():
 
 
 def test_readme_and_docs_links_resolve():
-    # docs/algorithms.md is written by issue 28's change, merged beside this one
-    pending = {"docs/algorithms.md"}
     for doc in [README, *(ROOT / "docs").glob("*.md")]:
         for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
             if "://" in target:
                 continue
             path = (doc.parent / target).resolve()
-            if str(path.relative_to(ROOT)) not in pending:
-                assert path.exists(), f"{doc.name} links to missing {target}"
+            assert path.exists(), f"{doc.name} links to missing {target}"
 
 
 def test_the_tutorial_shows_the_file_that_runs():

@@ -22,8 +22,7 @@ Two choices of the official code (yuetan031/FedProto `lib/update.py` `update_wei
   model computed *during* local training (train mode, before each step's update), as the
   official code and HtFLlib's `clientproto.py` do. rayfl averages over every step of the round,
   as HtFLlib does; the official code keeps the last local epoch only (the same at
-  `local_epochs: 1`, both papers' setting). Such a step accumulates as it trains, which
-  `engine.grouped` cannot vectorize: those clients train one by one (same numbers, a warning).
+  `local_epochs: 1`, both papers' setting).
   `collect: after`: one eval-mode pass over the training split after training (the prototypes
   of the model as trained).
 - `average: clients` (default): each class's global prototype is the unweighted mean over the
@@ -98,8 +97,7 @@ class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
         if self.params.collect == "after":
             return super().train(trainer)
         self.step_sums = None
-        # A closure, not the method: the step has a side effect (it accumulates representations)
-        # that grouped training cannot vectorize, and the engine trains a non-method step alone.
+        # the step accumulates the batch's representations as it trains
         return trainer.run(lambda x, y: self.collecting_step(x, y), [self.model])
 
     def collecting_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
