@@ -303,9 +303,38 @@ _Loader.add_implicit_resolver(
 )
 
 
+YAML_DEPTH = 64  # nesting of a config's values; a recursive alias nests without end
+YAML_VALUES = 100_000  # values after aliases are expanded (a "billion laughs" file has 10^9)
+
+
 def yaml_load(text: str) -> Any:
-    """Parse YAML text safely (no Python objects), with YAML 1.2 number syntax."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse YAML text safely (no Python objects), with YAML 1.2 number syntax.
+
+    Raises:
+        yaml.YAMLError: also for a recursive alias or aliases that expand beyond
+            ``YAML_VALUES`` values, before anything walks the result.
+    """
+    data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    _check_expansion(data)
+    return data
+
+
+def _check_expansion(data: Any) -> None:
+    budget = YAML_VALUES
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        budget -= 1
+        if depth > YAML_DEPTH or budget < 0:
+            raise yaml.YAMLError(
+                f"nests deeper than {YAML_DEPTH} levels or expands to over {YAML_VALUES} values "
+                "(a recursive or repeated alias); write the values out"
+            )
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node if isinstance(k, tuple))
+        elif isinstance(node, list | tuple):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def _type_name(tp: Any) -> str:
@@ -480,11 +509,18 @@ def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
             f"{what} {path} not found: check the path (examples live in experiments/)"
         )
     try:
-        raw = yaml_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {path} cannot be read ({exc}); check the file") from None
+    return parse_yaml(text, path)
+
+
+def parse_yaml(text: str, path: Path) -> dict[str, Any]:
+    """The YAML text of file ``path`` as a mapping, or a ConfigError naming the problem."""
+    try:
+        raw = yaml_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw

@@ -10,14 +10,19 @@ artifact store. What is on it depends on the folder:
   group (table and bars), mean learning curves, every run with its status and error;
 - a sweep (`results.parquet` + `sweep.yaml`): the trials table, the best trial, the metric
   against each swept parameter.
+
+The folder is untrusted input (docs/security.md): its files are read through
+:mod:`rayfl.safefile` (no symlink followed, sizes and JSON depth bounded), a suite's run
+directories must lie inside the suite folder, a malformed file stops the report with one line,
+and the page is written by an atomic rename (a link planted at `report.html` is replaced).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import json
 import math
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfl.errors import UserError
+from rayfl.safefile import MIB, is_file, read_bytes, read_table, read_text, real_dir, write_atomic
 
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2rem auto;
@@ -73,7 +79,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequenc
 
 def image(path: Path, alt: str) -> str:
     """A PNG file inlined as a base64 data URI."""
-    data = base64.b64encode(path.read_bytes()).decode()
+    data = base64.b64encode(read_bytes(path, 64 * MIB)).decode()
     return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
 
 
@@ -95,9 +101,22 @@ def page(title: str, subtitle: str, sections: Sequence[tuple[str, str]]) -> str:
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    return read_table(path)
 
-    return pq.read_table(path).to_pylist() if path.exists() else []
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.parquet: rows of numbers (or nulls), else one line."""
+    rows = read_table(path)
+    for row in rows:
+        for key, value in row.items():
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise UserError(
+                    f"{path}: column {key!r} holds {type(value).__name__} values, not numbers; "
+                    "it was not written by rayfl (or was changed since): restore or remove it"
+                )
+    return rows
 
 
 # --------------------------------------------------------------------------- a run
@@ -139,14 +158,16 @@ def _arch_bars(groups: Mapping[str, Mapping[str, float]], path: Path, title: str
 
 
 def run_report(run_dir: Path) -> str:
+    from rayfl.engine.rundir import check_run_dir, read_summary
     from rayfl.tracking.plots import plot_learning_curves
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run_dir(run_dir)
+    summary = read_summary(run_dir)
     final = summary.get("final", {})
     cfg = summary.get("config", {})
-    history = _read_parquet(run_dir / "metrics.parquet")
-    algo = cfg.get("algorithm", {}).get("name", "?")
-    data = cfg.get("data", {})
+    history = _history(run_dir / "metrics.parquet")
+    algo = _section(cfg, "algorithm").get("name", "?")
+    data = _section(cfg, "data")
     subtitle = (
         f"{algo} on {data.get('dataset', '?')}, {data.get('num_clients', '?')} clients, "
         f"seed {summary.get('seed')}, {summary.get('rounds')} rounds, status "
@@ -183,13 +204,18 @@ def run_report(run_dir: Path) -> str:
                 table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
             )
         )
-    if (run_dir / "label_distribution.png").exists():
+    if is_file(run_dir / "label_distribution.png"):
         sections.append(
             ("Label distribution", image(run_dir / "label_distribution.png", "label distribution"))
         )
-    if (run_dir / "config.yaml").exists():
-        sections.append(("Config", f"<pre>{_esc((run_dir / 'config.yaml').read_text())}</pre>"))
+    if is_file(run_dir / "config.yaml"):
+        sections.append(("Config", f"<pre>{_esc(read_text(run_dir / 'config.yaml'))}</pre>"))
     return page(f"Run {summary.get('name', run_dir.name)}", subtitle, sections)
+
+
+def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = cfg.get(name)
+    return value if isinstance(value, dict) else {}
 
 
 # --------------------------------------------------------------------------- a suite
@@ -225,7 +251,7 @@ def suite_report(out_dir: Path) -> str:
         histories: dict[str, list[Any]] = {}
         for run in runs:
             if run["setting"] == setting and run["status"] == "FINISHED":
-                history = _read_parquet(Path(run["run_dir"]) / "metrics.parquet")
+                history = _history(_inside(out_dir, run["run_dir"]) / "metrics.parquet")
                 if history:
                     histories.setdefault(run["label"], []).append(history)
         if histories:
@@ -252,7 +278,7 @@ def suite_report(out_dir: Path) -> str:
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))
     table_txt = out_dir / "table.txt"
-    first = table_txt.read_text().splitlines()[0] if table_txt.exists() else ""
+    first = (read_text(table_txt).splitlines() or [""])[0] if is_file(table_txt) else ""
     return page(f"Suite {out_dir.name}", first, sections)
 
 
@@ -265,7 +291,9 @@ def sweep_report(out_dir: Path) -> str:
     from rayfl.tracking.plots import plot_metric_vs_params
 
     rows = _read_parquet(out_dir / "results.parquet")
-    raw = yaml.safe_load((out_dir / "sweep.yaml").read_text()) or {}
+    raw = yaml.safe_load(read_text(out_dir / "sweep.yaml")) or {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{out_dir / 'sweep.yaml'}: not a mapping; restore the sweep folder")
     sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
     space = list((raw.get("space") or sweep.get("space") or {}).keys())
     tune = raw.get("tune") or sweep.get("tune") or {}
@@ -285,9 +313,9 @@ def sweep_report(out_dir: Path) -> str:
         for r in rows
     ]
     sections = [("Trials", table(header, body))]
-    if (out_dir / "best_config.yaml").exists():
+    if is_file(out_dir / "best_config.yaml"):
         sections.append(
-            ("Best trial", f"<pre>{_esc((out_dir / 'best_config.yaml').read_text())}</pre>")
+            ("Best trial", f"<pre>{_esc(read_text(out_dir / 'best_config.yaml'))}</pre>")
         )
     if rows and params:
         sections.append(
@@ -304,13 +332,22 @@ def sweep_report(out_dir: Path) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
+def _inside(folder: Path, name: Any) -> Path:
+    """The run directory ``name`` (from a suite's runs.parquet) if it is a real directory
+    inside ``folder``; else one line."""
+    path = Path(str(name))  # as compare wrote it: relative to where it ran, or absolute
+    if not os.path.lexists(path):
+        path = folder / path.name  # the suite folder was moved
+    return real_dir(path, inside=folder)
+
+
 def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
-    if (path / "summary.json").exists():
+    if is_file(path / "summary.json"):
         return "run"
-    if (path / "results.parquet").exists() and (path / "runs.parquet").exists():
+    if is_file(path / "results.parquet") and is_file(path / "runs.parquet"):
         return "suite"
-    if (path / "results.parquet").exists() and (path / "sweep.yaml").exists():
+    if is_file(path / "results.parquet") and is_file(path / "sweep.yaml"):
         return "sweep"
     raise UserError(
         f"rayfl report {path}: not a run directory (summary.json), a suite folder "
@@ -328,5 +365,13 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     render = {"run": run_report, "suite": suite_report, "sweep": sweep_report}[kind]
     target = Path(out) if out else folder / "report.html"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(render(folder), encoding="utf-8")
+    try:
+        page = render(folder)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # a field of the right type but an unexpected shape (rayfl did not write it)
+        raise UserError(
+            f"rayfl report {folder}: a file there is malformed ({type(exc).__name__}: "
+            f"{str(exc)[:80]}); restore it from the run, or rerun"
+        ) from None
+    write_atomic(target, page.encode("utf-8"))
     return target

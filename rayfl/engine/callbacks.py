@@ -15,7 +15,7 @@ import yaml
 from rayfl.config import RunConfig, to_dict
 from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
-from rayfl.locking import write_atomic
+from rayfl.safefile import write_atomic
 from rayfl.tables import write_table
 
 if TYPE_CHECKING:

@@ -83,7 +83,7 @@ def test_a_pickled_array_inside_an_npz_is_refused(synthetic_raw, tmp_path):
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="unreadable state file"):
+    with pytest.raises(UserError, match="holds Python objects"):
         run(synthetic_raw, tmp_path, 2, resume=True)
 
 
