@@ -63,6 +63,7 @@ from rayfl.config import (
     set_dotted,
 )
 from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.safefile import read_table, write_atomic
 from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
@@ -587,10 +588,9 @@ def run_dir_of(out_dir: Path, run: SuiteRun) -> Path:
 
 
 def _read_history(run_dir: Path) -> list[dict[str, float]]:
-    import pyarrow.parquet as pq
+    from rayfl.safefile import read_table  # a suite folder is untrusted (docs/security.md)
 
-    path = run_dir / "metrics.parquet"
-    return pq.read_table(path).to_pylist() if path.exists() else []
+    return read_table(run_dir / "metrics.parquet")
 
 
 def finished_row(
@@ -598,12 +598,9 @@ def finished_row(
 ) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
     it), or None. `previous` holds the rows of the last runs.parquet by run directory."""
-    import json
+    from rayfl.engine.rundir import read_summary
 
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        return None
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(run_dir)
     if summary.get("status") != "FINISHED":
         return None
     history = _read_history(run_dir)
@@ -759,12 +756,8 @@ def run_suite(
         Path(out) if out else Path("runs") / f"suite-{suite.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "suite.yaml").write_text(Path(path).read_text())
-    previous = {}
-    if (out_dir / "runs.parquet").exists():
-        import pyarrow.parquet as pq
-
-        previous = {r["run_dir"]: r for r in pq.read_table(out_dir / "runs.parquet").to_pylist()}
+    write_atomic(out_dir / "suite.yaml", Path(path).read_bytes())
+    previous = {r["run_dir"]: r for r in read_table(out_dir / "runs.parquet")}
     first = suite.runs[0].config.tracking
     parent = make_tracker(
         first.backend,
@@ -853,7 +846,7 @@ def run_suite(
         )
     failed = [r for r in rows if r["status"] != "FINISHED"]
     table = format_results(suite, results, time.perf_counter() - start, failed)
-    (out_dir / "table.txt").write_text(table + "\n")
+    write_atomic(out_dir / "table.txt", (table + "\n").encode())
     artifacts.append(out_dir / "table.txt")
     for agg in results:
         prefix = f"{agg['setting'] + '/' if agg['setting'] else ''}{agg['label']}/"
