@@ -28,7 +28,6 @@ from rayfl.safefile import (
     UnsafeFile,
     lstat,
     read_json,
-    real_dir,
     temp_path,
     write_atomic,
 )
@@ -64,7 +63,9 @@ def check_run_dir(run_dir: Path) -> None:
     Raises:
         UnsafeFile: one line naming the first such entry.
     """
-    run_dir = real_dir(Path(run_dir))
+    run_dir = Path(run_dir)  # named by the user (a link to it is theirs); its entries are not
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: not a directory; pass a run directory written by rayfl run")
     with os.scandir(run_dir) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
             mode = entry.stat(follow_symlinks=False).st_mode
