@@ -22,8 +22,8 @@ sizes, checksums, config hash) and refuses a torn, foreign or truncated checkpoi
 A run directory is untrusted (docs/security.md): the link must name a real checkpoint folder
 of the run directory, every file is read through :mod:`rayfl.safefile` (no symlink followed,
 sizes bounded before reading, JSON depth bounded, ``.npz`` headers checked against their bytes),
-and the loaded states are checked against the freshly built model (:meth:`Restored.check`)
-before any is used.
+and the loaded states are checked against the freshly built model before any is used
+(:meth:`Restored.check_server`, :meth:`Restored.client_states`).
 """
 
 from __future__ import annotations
@@ -235,34 +235,39 @@ class Restored:
             int(n[len("clients/") : -len(".npz")]) for n in self.files if n.startswith("clients/")
         )
 
-    def client_states(self) -> Iterator[tuple[int, Any]]:
+    def client_states(
+        self, template: Callable[[int], Any] | None = None
+    ) -> Iterator[tuple[int, Any]]:
         """Yield ``(client id, state)`` one at a time, each read again and its checksum checked
-        (the folder may have changed since :func:`verify`)."""
+        (the folder may have changed since :func:`verify`); with ``template`` (client id -> the
+        state of that client's fresh model, see :func:`client_templates`) each is checked
+        against it first (:func:`state_mismatch`).
+
+        Raises:
+            UserError: a changed file or a state unlike its template, in one line.
+        """
         for cid in self.client_ids():
             path = self.folder / "clients" / f"{cid}.npz"
-            yield cid, _load_verified(path, self.files[f"clients/{cid}.npz"])
+            state = _load_verified(path, self.files[f"clients/{cid}.npz"])
+            if template is not None:
+                expected = template(cid)
+                self._check(
+                    f"client {cid} is not a client of this run"
+                    if expected is None
+                    else state_mismatch(state, expected, f"client {cid}")
+                )
+            yield cid, state
 
-    def check(self, server_template: Any, client_template: Callable[[int], Any]) -> None:
-        """Check the server state and every client state against the states of the model the
-        run built fresh from the user's config (same keys, array shapes and dtypes), before any
-        is used.
-
-        Args:
-            server_template: the fresh server's state.
-            client_template: a client id -> the state of that client's fresh model.
+    def check_server(self, template: Any) -> None:
+        """Check the server state against ``template``, the state of the server this run built
+        fresh from the user's config (same keys, array shapes and dtypes), before it is used.
 
         Raises:
             UserError: the first mismatch, in one line.
         """
-        problem = state_mismatch(self.server_state, server_template, "server")
-        for cid, state in self.client_states():
-            if problem:
-                break
-            template = client_template(cid)
-            if template is None:
-                problem = f"client {cid} is not a client of this run"
-            else:
-                problem = state_mismatch(state, template, f"client {cid}")
+        self._check(state_mismatch(self.server_state, template, "server"))
+
+    def _check(self, problem: str) -> None:
         if problem:
             raise _refuse(
                 self.folder, f"{problem}, unlike the model this config builds (not this run's)"
@@ -272,7 +277,7 @@ class Restored:
 def client_templates(spec: RunSpec) -> Callable[[int], Any]:
     """Client id -> the state of a fresh client of its architecture built from ``spec`` (the
     user's config), with the local-only shadow's part under ``baseline/`` when the run keeps
-    one: what :meth:`Restored.check` compares each restored client state with. One model is
+    one: what :meth:`Restored.client_states` compares each restored client state with. One model is
     built per architecture, on the CPU."""
     import torch
 

@@ -278,9 +278,9 @@ class Simulation:
         """Continue after a checkpoint: server and client states, history, next round."""
         assert self.executor is not None
         # the states come from an untrusted directory: shapes checked before any is used
-        restored.check(self.executor.server_state(), client_templates(self.spec))
+        restored.check_server(self.executor.server_state())
         self.executor.load_server_state(restored.server_state)
-        for cid, state in restored.client_states():
+        for cid, state in restored.client_states(client_templates(self.spec)):
             self.executor.load_client_state(cid, state)
         self.result.history = list(restored.history)
         self.start_round = restored.round + 1
