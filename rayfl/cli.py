@@ -99,15 +99,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    early = None
     if args.resume:
+        from rayfl.engine.rundir import resume_config
+
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
             raise UserError(
                 f"--resume {run_dir}: not a directory; pass a run directory written by rayfl run"
-            )
-        if not (run_dir / "config.yaml").exists():
-            raise UserError(
-                f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
             )
         # `rayfl run --resume DIR engine.rounds=8`: argparse puts the first override in `config`
         overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
@@ -115,16 +114,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 "--resume takes the run directory's own config.yaml; pass only key=value overrides"
             )
-        path = run_dir / "config.yaml"
+        # an untrusted directory: checked in full before Ray starts (no early start here)
+        cfg = resume_config(run_dir, overrides)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
         path, overrides = Path(args.config), list(args.overrides)
         refuse_other_kinds(path)
-    cfg, early = load_for_run(
-        path, overrides, resume=bool(args.resume), run_dir=args.resume or args.out
-    )
-    if not args.resume:
+        cfg, early = load_for_run(path, overrides, run_dir=args.out)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
     try:

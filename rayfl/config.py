@@ -8,9 +8,7 @@ fields of that algorithm's own frozen `Params` dataclass (declared beside the al
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from rayfl.errors import ConfigError, require, suggest
+from rayfl.config_checks import check, convert, from_dict, non_negative
+from rayfl.errors import ConfigError, suggest
 
 
 @dataclass(frozen=True)
@@ -246,6 +245,7 @@ RANGES: dict[str, Range] = {
     "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
     "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
     "data.train_samples": AT_LEAST_1,
+    "train.local_epochs": Range(lo=0, hi=10_000),
     "train.batch_size": AT_LEAST_1,
     "train.lr": POSITIVE,
     "train.momentum": Range(lo=0, hi=1),
@@ -254,7 +254,7 @@ RANGES: dict[str, Range] = {
     "engine.rounds": AT_LEAST_1,
     "engine.fraction": Range(lo=0, hi=1, lo_open=True),
     "engine.clients_per_round": AT_LEAST_1,
-    "engine.num_workers": AT_LEAST_1,
+    "engine.num_workers": Range(lo=1, hi=10_000),
     "engine.ray_num_cpus": AT_LEAST_1,
     "engine.object_store_mb": Range(lo=80),
     "engine.eval_every": AT_LEAST_1,
@@ -270,12 +270,6 @@ RANGES: dict[str, Range] = {
     "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
     "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
 }
-
-
-def _dotted(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 # --------------------------------------------------------------------------- parsing
@@ -299,143 +293,38 @@ _Loader.add_implicit_resolver(
 )
 
 
+YAML_DEPTH = 64  # nesting of a config's values; a recursive alias nests without end
+YAML_VALUES = 100_000  # values after aliases are expanded (a "billion laughs" file has 10^9)
+
+
 def yaml_load(text: str) -> Any:
-    """Parse YAML text safely (no Python objects), with YAML 1.2 number syntax."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse YAML text safely (no Python objects), with YAML 1.2 number syntax.
+
+    Raises:
+        yaml.YAMLError: also for a recursive alias or aliases that expand beyond
+            ``YAML_VALUES`` values, before anything walks the result.
+    """
+    data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    _check_expansion(data)
+    return data
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _options(tp: Any) -> list[str]:
-    """The values a bool or Literal annotation allows, as a config writes them (else none)."""
-    if tp is bool:
-        return ["true", "false"]
-    if typing.get_origin(tp) is Literal:
-        return [str(a) for a in typing.get_args(tp)]
-    return []
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, arg, key)
-            except ConfigError as exc:
-                errors.append(exc)
-        options = [_options(a) for a in args if a is not type(None)]
-        if all(options):  # e.g. `bool | Literal["auto"]`: one message naming every choice
-            names = [o for opts in options for o in opts]
-            raise ConfigError(
-                f"{key}: {value!r} is not allowed{suggest(str(value), names)}; "
-                f"choose one of {', '.join(names)}"
+def _check_expansion(data: Any) -> None:
+    budget = YAML_VALUES
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        budget -= 1
+        if depth > YAML_DEPTH or budget < 0:
+            raise yaml.YAMLError(
+                f"nests deeper than {YAML_DEPTH} levels or expands to over {YAML_VALUES} values "
+                "(a recursive or repeated alias); write the values out"
             )
-        raise errors[0]
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(
-                f"{key}: {value!r} is not allowed{suggest(str(value), map(str, args))}; "
-                f"choose one of {', '.join(map(str, args))}"
-            )
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, prefix=f"{key}.")
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
-        item_tp = args[0] if args else Any
-        return tuple(_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return _number(int(value), key)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return _number(value, key)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return _number(float(value), key)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
-
-
-def _number(value: float, key: str) -> Any:
-    """Every number in the schema is finite (and >= 0, see `from_dict`)."""
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}: must be a finite number (got {value!r})")
-    return value
-
-
-# Settings that no longer exist, and why (docs/performance.md, "Engine options and what they cost")
-REMOVED = {
-    "engine.driver_trains": "the driver no longer trains beside the workers' actors; delete the "
-    "key (engine.num_workers sets the workers)",
-    "engine.lean_ray": "a private Ray now starts with Ray's supported options only; delete the key",
-    "engine.grouped": "grouped (vectorized) client training was slower than the loop and is gone; "
-    "delete the key",
-}
-
-
-def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if f"{prefix}{key}" in REMOVED:
-            raise ConfigError(f"{prefix}{key} was removed: {REMOVED[f'{prefix}{key}']}")
-        if key not in fields:
-            raise ConfigError(
-                f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
-                f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
-            )
-    kwargs = {
-        name: _convert(data[name], hints[name], f"{prefix}{name}")
-        for name in fields
-        if name in data
-    }
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
-    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
-    _non_negative(kwargs, prefix)
-    return obj
-
-
-def _non_negative(values: Mapping[str, Any], prefix: str) -> None:
-    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
-    for name, value in values.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node if isinstance(k, tuple))
+        elif isinstance(node, list | tuple):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -488,11 +377,18 @@ def read_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
             f"{what} {path} not found: check the path (examples live in experiments/)"
         )
     try:
-        raw = yaml_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {path} cannot be read ({exc}); check the file") from None
+    return parse_yaml(text, path)
+
+
+def parse_yaml(text: str, path: Path) -> dict[str, Any]:
+    """The YAML text of file ``path`` as a mapping, or a ConfigError naming the problem."""
+    try:
+        raw = yaml_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     from rayfl import plugins
@@ -589,8 +485,8 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunCo
     kwargs: dict[str, Any] = {"algorithm": algo_cfg}
     for key, value in rest.items():
         if key != "algorithm":
-            kwargs[key] = _convert(value, hints[key], key)
-    _non_negative(kwargs, "")
+            kwargs[key] = convert(value, hints[key], key)
+    non_negative(kwargs, "")
     cfg = RunConfig(**kwargs)
     check(cfg)
     return cfg
@@ -624,58 +520,6 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def check(cfg: RunConfig) -> None:
-    """Cross-field checks that need no data: ranges and registry names."""
-    from rayfl.registry import DATASETS, PARTITIONERS
-
-    d, e = cfg.data, cfg.engine
-    if d.dataset not in DATASETS:
-        DATASETS.get(d.dataset, key="data.dataset")
-    if d.partition.name not in PARTITIONERS:
-        PARTITIONERS.get(d.partition.name, key="data.partition.name")
-    for key, rng in RANGES.items():
-        value = _dotted(cfg, key)
-        if value is not None:
-            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
-    if e.clients_per_round is not None:
-        require(
-            e.clients_per_round <= d.num_clients,
-            "engine.clients_per_round",
-            f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
-            f"lower it or raise data.num_clients",
-        )
-    for name, res in (
-        ("worker_resources", e.worker_resources),
-        ("server_resources", e.server_resources),
-    ):
-        for attr in ("num_cpus", "num_gpus"):
-            value = getattr(res, attr)
-            require(value >= 0, f"engine.{name}.{attr}", f"must be >= 0 (got {value})")
-            require(
-                value <= 1 or float(value).is_integer(),
-                f"engine.{name}.{attr}",
-                f"fractions above 1 must be whole numbers (got {value})",
-            )
-    require(
-        e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
-        "engine.worker_resources",
-        "a worker must reserve some CPU or GPU",
-    )
-    require(
-        e.server_in != "driver"
-        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
-        "engine.server_in",
-        "driver runs the server in the driver's process, which reserves nothing; set "
-        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
-    )
-    if cfg.model.proportions is not None:
-        require(
-            all(p > 0 for p in cfg.model.proportions),
-            "model.proportions",
-            "every proportion must be > 0",
-        )
-
-
 def clients_per_round(cfg: RunConfig) -> int:
     return _per_round(cfg.engine, cfg.data.num_clients)
 
@@ -704,8 +548,8 @@ def ray_preview(
     try:
         merged = apply_overrides(dict(raw), overrides)
         hints = typing.get_type_hints(RunConfig)
-        engine = _convert(merged.get("engine") or {}, hints["engine"], "engine")
-        data = _convert(merged.get("data") or {}, hints["data"], "data")
+        engine = convert(merged.get("engine") or {}, hints["engine"], "engine")
+        data = convert(merged.get("data") or {}, hints["data"], "data")
     except ConfigError:
         return None
     if engine.executor != "ray":

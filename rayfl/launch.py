@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 
 from rayfl import plugins
 from rayfl.config import RunConfig, apply_overrides, build_config, ray_preview, read_yaml
-from rayfl.errors import UserError
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -28,10 +27,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 def load_for_run(
-    path: str | Path,
-    overrides: Sequence[str] = (),
-    resume: bool = False,
-    run_dir: str | Path | None = None,
+    path: str | Path, overrides: Sequence[str] = (), run_dir: str | Path | None = None
 ) -> tuple[RunConfig, Any]:
     """Read and check a run's config for a process that runs it and then exits (`rayfl run`,
     a benchmark's variant). For a run on Ray, Ray starts first, in a thread, so that its start
@@ -39,13 +35,8 @@ def load_for_run(
     `rayfl.engine.early.EarlyRay` (None when not on Ray), for `simulate(..., early=...)`.
     `run_dir`, when known: a private Ray spills objects under it (`spill_dir`), unless
     `engine.spill_dir` says otherwise. A config error stops Ray (once started) and is raised.
-    `resume`: `path` is a run directory's config.yaml, which is untrusted: it may not name
-    plugins to import."""
+    (A resume reads its untrusted run directory through `rayfl.engine.rundir.resume_config`.)"""
     raw = read_yaml(path)
-    if resume and plugins.KEY in raw:
-        raise UserError(
-            f"{path}: a run directory does not name plugins to import; pass them with --plugin"
-        )
     # named before Ray starts: its workers import them (rayfl.plugins.runtime_env)
     plugins.take(apply_overrides(raw, overrides))
     early = None

@@ -1,4 +1,4 @@
-"""Advisory file locks (``flock``) and unique temporary names.
+"""Advisory file locks (``flock``) on files that are never followed through a symlink.
 
 A lock held through ``flock`` is released by the kernel when its process dies, even by SIGKILL,
 so a crashed run never leaves a stale lock behind. File descriptors are opened non-inheritable
@@ -8,35 +8,36 @@ so a crashed run never leaves a stale lock behind. File descriptors are opened n
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
-import uuid
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def unique_suffix() -> str:
-    """``<pid>-<random hex>``: a temporary name no other process or thread will pick."""
-    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+from rayfl.safefile import UnsafeFile, read_bytes
 
 
-def temp_path(path: Path) -> Path:
-    """A unique sibling of ``path`` to write before ``os.replace(tmp, path)``."""
-    return path.with_name(f".{path.name}.tmp-{unique_suffix()}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a unique temporary file, flush it to disk, then rename it over ``path``."""
-    tmp = temp_path(path)
+def _open_lock(path: Path, flags: int) -> int:
+    """Open the lock file without following a symlink; refuse anything but a regular file with
+    one link (a hard link to a victim file would otherwise be truncated by the holder)."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFile(
+                f"{path}: is a symbolic link; rayfl never writes through links in a run "
+                "directory (see docs/security.md): remove it or use another directory"
+            ) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise UnsafeFile(
+            f"{path}: is not a plain lock file (a FIFO, device or hard link); remove it or "
+            "use another directory (see docs/security.md)"
+        )
+    return fd
 
 
 class FileLock:
@@ -62,7 +63,7 @@ class FileLock:
         self._acquire(blocking=True)
 
     def _acquire(self, blocking: bool) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -76,19 +77,27 @@ class FileLock:
     def owner(self) -> int | None:
         """The pid written by the current holder (best effort), or None."""
         try:
-            text = self.path.read_text().strip()
-        except OSError:
+            text = read_bytes(self.path, 64).decode(errors="replace").strip()
+        except (OSError, UnsafeFile):
             return None
         return int(text) if text.isdigit() else None
 
     def held_by_other(self) -> bool:
-        """True when some other process holds the lock right now."""
-        if self._fd is not None or not self.path.exists():
+        """True when some other process holds the lock right now. Only looks: the file is
+        opened read-only and never created or written (`rayfl ls-runs` changes no lock)."""
+        if self._fd is not None:
             return False
-        if self.try_acquire():
-            self.release()
+        try:
+            fd = _open_lock(self.path, os.O_RDONLY)
+        except FileNotFoundError:
             return False
-        return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def release(self) -> None:
         if self._fd is not None:

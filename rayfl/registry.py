@@ -22,6 +22,8 @@ T = TypeVar("T")
 # Modules whose import registers the built-in entries.
 _BUILTIN_MODULES = (
     "rayfl.data.datasets",
+    "rayfl.data.cifar",
+    "rayfl.data.tinyimagenet",
     "rayfl.data.partition",
     "rayfl.models.zoo",
     "rayfl.models.families",

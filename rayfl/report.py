@@ -10,14 +10,19 @@ artifact store. What is on it depends on the folder:
   group (table and bars), mean learning curves, every run with its status and error;
 - a sweep (`results.parquet` + `sweep.yaml`): the trials table, the best trial, the metric
   against each swept parameter.
+
+The folder is untrusted input (docs/security.md): its files are read through
+:mod:`rayfl.safefile` (no symlink followed, sizes and JSON depth bounded), a suite's run
+directories must lie inside the suite folder, a malformed file stops the report with one line,
+and the page is written by an atomic rename (a link planted at `report.html` is replaced).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import json
 import math
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfl.errors import UserError
+from rayfl.safefile import MIB, is_file, read_bytes, read_table, read_text, real_dir, write_atomic
 
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2rem auto;
@@ -88,7 +94,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequenc
 
 def image(path: Path, alt: str) -> str:
     """A PNG file inlined as a base64 data URI."""
-    data = base64.b64encode(path.read_bytes()).decode()
+    data = base64.b64encode(read_bytes(path, 64 * MIB)).decode()
     return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
 
 
@@ -110,9 +116,22 @@ def page(title: str, subtitle: str, sections: Sequence[tuple[str, str]]) -> str:
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    return read_table(path)
 
-    return pq.read_table(path).to_pylist() if path.exists() else []
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.parquet: rows of numbers (or nulls), else one line."""
+    rows = read_table(path)
+    for row in rows:
+        for key, value in row.items():
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise UserError(
+                    f"{path}: column {key!r} holds {type(value).__name__} values, not numbers; "
+                    "it was not written by rayfl (or was changed since): restore or remove it"
+                )
+    return rows
 
 
 # --------------------------------------------------------------------------- a run
@@ -159,14 +178,16 @@ def _arch_bars(
 
 
 def run_report(run_dir: Path) -> str:
+    from rayfl.engine.rundir import check_run_dir, read_summary
     from rayfl.tracking.plots import plot_learning_curves
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run_dir(run_dir)
+    summary = read_summary(run_dir)
     final = summary.get("final", {})
     cfg = summary.get("config", {})
-    history = _read_parquet(run_dir / "metrics.parquet")
-    algo = cfg.get("algorithm", {}).get("name", "?")
-    data = cfg.get("data", {})
+    history = _history(run_dir / "metrics.parquet")
+    algo = _section(cfg, "algorithm").get("name", "?")
+    data = _section(cfg, "data")
     subtitle = (
         f"{algo} on {data.get('dataset', '?')}, {data.get('num_clients', '?')} clients, "
         f"seed {summary.get('seed')}, {summary.get('rounds')} rounds, status "
@@ -203,13 +224,18 @@ def run_report(run_dir: Path) -> str:
                 table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
             )
         )
-    if (run_dir / "label_distribution.png").exists():
+    if is_file(run_dir / "label_distribution.png"):
         sections.append(
             ("Label distribution", image(run_dir / "label_distribution.png", "label distribution"))
         )
-    if (run_dir / "config.yaml").exists():
-        sections.append(("Config", f"<pre>{_esc((run_dir / 'config.yaml').read_text())}</pre>"))
+    if is_file(run_dir / "config.yaml"):
+        sections.append(("Config", f"<pre>{_esc(read_text(run_dir / 'config.yaml'))}</pre>"))
     return page(f"Run {summary.get('name', run_dir.name)}", subtitle, sections)
+
+
+def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = cfg.get(name)
+    return value if isinstance(value, dict) else {}
 
 
 # --------------------------------------------------------------------------- a suite
@@ -219,7 +245,9 @@ def _run_path(out_dir: Path, row: Mapping[str, Any]) -> Path:
     """A suite run's directory: where the suite lays it out under `out_dir` (the folder may have
     moved since, e.g. copied home from a cluster), else the path the row recorded."""
     inside = out_dir / (row["setting"] or ".") / str(row["label"]) / f"seed{row['seed']}"
-    return inside if inside.is_dir() else Path(str(row["run_dir"]))
+    if os.path.lexists(inside):  # a suite folder is untrusted: a real folder inside it
+        return real_dir(inside, inside=out_dir)
+    return _inside(out_dir, row["run_dir"])
 
 
 def run_links(run_dir: Path, page_dir: Path, mlflow_id: str, text: str = "") -> tuple[Any, Any]:
@@ -256,7 +284,7 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
 
     page_dir = page_dir or out_dir
     runs = _read_parquet(out_dir / "runs.parquet")
-    finished = (out_dir / "results.parquet").exists()
+    finished = is_file(out_dir / "results.parquet")
     # a suite still running or interrupted has no results yet: aggregate the runs done so far
     results = _read_parquet(out_dir / "results.parquet") if finished else aggregate(runs)
     sections: list[tuple[str, str]] = []
@@ -287,7 +315,7 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
         histories: dict[str, list[Any]] = {}
         for run in runs:
             if run["setting"] == setting and run["status"] == "FINISHED":
-                history = _read_parquet(_run_path(out_dir, run) / "metrics.parquet")
+                history = _history(_run_path(out_dir, run) / "metrics.parquet")
                 if history:
                     histories.setdefault(run["label"], []).append(history)
         if histories:
@@ -305,17 +333,21 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
     header = ["setting", *header] if settings else header
     run_rows: list[list[Any]] = []
     for r in runs:
-        path = _run_path(out_dir, r)
         shown = f"{r['setting'] + '/' if r['setting'] else ''}{r['label']}/seed{r['seed']}"
         status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
         cells = [r["label"], r["seed"], status, r.get(PERSONAL), r["rounds"]]
-        cells += run_links(path, page_dir, r.get("mlflow_run_id") or "", shown)
+        try:
+            path = _run_path(out_dir, r)
+        except UserError:  # not (or no longer) a real folder inside the suite: no links
+            cells += [shown, r.get("mlflow_run_id") or ""]
+        else:
+            cells += run_links(path, page_dir, r.get("mlflow_run_id") or "", shown)
         run_rows.append([r["setting"], *cells] if settings else cells)
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))
     table_txt = out_dir / "table.txt"
-    if finished and table_txt.exists():
-        first = table_txt.read_text().splitlines()[0]
+    if finished and is_file(table_txt):
+        first = (read_text(table_txt).splitlines() or [""])[0]
     else:
         first = (
             f"not finished (interrupted or still running): {len(runs)} runs done so far; rerun "
@@ -343,7 +375,9 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
 
     page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
-    raw = yaml.safe_load((out_dir / "sweep.yaml").read_text()) or {}
+    raw = yaml.safe_load(read_text(out_dir / "sweep.yaml")) or {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{out_dir / 'sweep.yaml'}: not a mapping; restore the sweep folder")
     sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
     space_spec = raw.get("space") or sweep.get("space") or {}
     space = list(space_spec.keys())
@@ -376,16 +410,16 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
         best_rows = [[p, _short(best.get(p))] for p in params] + [[metric, best[metric]]]
         text = f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)})</p>"
         text += table(["parameter", "value"], best_rows)
-        if (out_dir / "best_config.yaml").exists():
+        if is_file(out_dir / "best_config.yaml"):
             text += (
                 "<details><summary>its full config (best_config.yaml: rayfl run "
                 "best_config.yaml repeats it)</summary>"
-                f"<pre>{_esc((out_dir / 'best_config.yaml').read_text())}</pre></details>"
+                f"<pre>{_esc(read_text(out_dir / 'best_config.yaml'))}</pre></details>"
             )
         sections.append(("Best trial", text))
     curves: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        history = _read_parquet(out_dir / "trials" / str(r.get("trial", "")) / "metrics.parquet")
+        history = _history(out_dir / "trials" / str(r.get("trial", "")) / "metrics.parquet")
         points = [
             (int(h["round"]), float(h[metric]))
             for h in history
@@ -423,13 +457,22 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
+def _inside(folder: Path, name: Any) -> Path:
+    """The run directory ``name`` (from a suite's runs.parquet) if it is a real directory
+    inside ``folder``; else one line."""
+    path = Path(str(name))  # as compare wrote it: relative to where it ran, or absolute
+    if not os.path.lexists(path):
+        path = folder / path.name  # the suite folder was moved
+    return real_dir(path, inside=folder)
+
+
 def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
-    if (path / "summary.json").exists():
+    if is_file(path / "summary.json"):
         return "run"
-    if (path / "runs.parquet").exists() or (path / "suite.yaml").exists():
+    if is_file(path / "runs.parquet") or is_file(path / "suite.yaml"):
         return "suite"  # finished, or partly: runs.parquet grows as runs finish
-    if (path / "results.parquet").exists() and (path / "sweep.yaml").exists():
+    if is_file(path / "results.parquet") and is_file(path / "sweep.yaml"):
         return "sweep"
     raise UserError(
         f"rayfl report {path}: not a run directory (summary.json), a suite folder "
@@ -446,9 +489,16 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     kind = kind_of(folder)
     target = Path(out) if out else folder / "report.html"
     target.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "run":
-        text = run_report(folder)
-    else:  # links to run directories are relative to the page
-        text = (suite_report if kind == "suite" else sweep_report)(folder, target.parent)
-    target.write_text(text, encoding="utf-8")
+    try:
+        if kind == "run":
+            text = run_report(folder)
+        else:  # links to run directories are relative to the page
+            text = (suite_report if kind == "suite" else sweep_report)(folder, target.parent)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # a field of the right type but an unexpected shape (rayfl did not write it)
+        raise UserError(
+            f"rayfl report {folder}: a file there is malformed ({type(exc).__name__}: "
+            f"{str(exc)[:80]}); restore it from the run, or rerun"
+        ) from None
+    write_atomic(target, text.encode("utf-8"))
     return target

@@ -8,12 +8,11 @@ never sees half a table.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.locking import temp_path
+from rayfl.safefile import write_with
 
 
 def columns(rows: Sequence[Mapping[str, Any]], key: Callable[[str], Any] | None = None) -> Any:
@@ -58,18 +57,9 @@ def write_table(
     table = columns(rows, key)
     target = Path(path).with_suffix(".parquet")
     written = [target]
-    _atomic(target, lambda tmp: pq.write_table(table, tmp))
+    write_with(target, lambda f: pq.write_table(table, f))
     if csv:
         twin = target.with_suffix(".csv")
-        _atomic(twin, lambda tmp: pacsv.write_csv(table, tmp))
+        write_with(twin, lambda f: pacsv.write_csv(table, f))
         written.insert(0, twin)
     return written
-
-
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = temp_path(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

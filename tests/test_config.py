@@ -200,3 +200,58 @@ def test_the_ray_preview_is_the_engine_the_whole_check_builds(synthetic_raw):
     assert checked >= 10
     assert ray_preview(synthetic_raw, ["engine.executor=serial"]) is None
     assert ray_preview(synthetic_raw, ["engine.fraction=oops"]) is None  # the check will say why
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["data.partition.min_samples=100000"], "data.partition.min_samples"),
+        (
+            ["data.partition.name=pathological", "data.partition.classes_per_client=50"],
+            "data.partition.classes_per_client",
+        ),
+        (["engine.min_replies=7"], "engine.min_replies"),  # 6 clients
+        (["data.options.num_samples=1e12"], "data.options.num_samples"),
+        (["train.local_epochs=100000000"], "train.local_epochs"),
+        (["engine.num_workers=1000000"], "engine.num_workers"),
+    ],
+)
+def test_validate_refuses_what_run_would_refuse_only_after_starting(
+    synthetic_raw, tmp_path, capsys, overrides, key
+):
+    """`rayfl validate` runs every check that needs no Ray and no data, in one line."""
+    import yaml
+
+    from rayfl import cli
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(synthetic_raw))
+    assert cli.main(["validate", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayfl: error: ") and key in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_fmnist_partition_feasibility_is_known_without_the_data(synthetic_raw):
+    raw = {**synthetic_raw, "data": {"dataset": "fmnist", "num_clients": 100}}
+    build_config(raw, ["data.partition.min_samples=600"])  # 60,000 samples: exactly enough
+    with pytest.raises(ConfigError, match="exceeds the 60000 training samples"):
+        build_config(raw, ["data.partition.min_samples=601"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: &a [*a]\n",
+        "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else '1'}]\n" for i in range(8)),
+    ],
+    ids=["recursive-alias", "billion-laughs"],
+)
+def test_validate_refuses_alias_bombs_in_one_line(tmp_path, capsys, text):
+    from rayfl import cli
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "alias" in err and len(err.strip().splitlines()) == 1

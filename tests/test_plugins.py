@@ -260,5 +260,5 @@ def test_resume_takes_plugins_from_the_command_line_only(tmp_path):
     raw = yaml.safe_load(config.read_text())
     config.write_text(yaml.safe_dump({**raw, "plugins": [str(tmp_path / "lib" / "my_algos.py")]}))
     proc = rayfl(["run", "--resume", "r", "engine.rounds=3", "--no-progress"], tmp_path, marker)
-    assert proc.returncode == 2 and "does not name plugins" in proc.stderr
+    assert proc.returncode == 2 and "names plugins to import" in proc.stderr
     assert list(marker.iterdir()) == []

@@ -28,6 +28,7 @@ from rayfl.config import RunConfig
 from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.locking import FileLock
+from rayfl.safefile import read_table, write_atomic
 from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,7 @@ def run_dir_of(out_dir: Path, run: SuiteRun) -> Path:
 
 
 def _read_history(run_dir: Path) -> list[dict[str, float]]:
-    import pyarrow.parquet as pq
-
-    path = run_dir / "metrics.parquet"
-    return pq.read_table(path).to_pylist() if path.exists() else []
+    return read_table(run_dir / "metrics.parquet")  # a suite folder is untrusted (security.md)
 
 
 def finished_row(
@@ -97,12 +95,9 @@ def finished_row(
 ) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
     it), or None. `previous` holds the rows of the last runs.parquet by run directory."""
-    import json
+    from rayfl.engine.rundir import read_summary
 
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        return None
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(run_dir)
     if summary.get("status") != "FINISHED":
         return None
     history = _read_history(run_dir)
@@ -365,12 +360,8 @@ def _run_locked(
 
     from rayfl.tracking.plots import plot_compare
 
-    (out_dir / "suite.yaml").write_text(path.read_text())
-    previous = {}
-    if (out_dir / "runs.parquet").exists():
-        import pyarrow.parquet as pq
-
-        previous = {r["run_dir"]: r for r in pq.read_table(out_dir / "runs.parquet").to_pylist()}
+    write_atomic(out_dir / "suite.yaml", path.read_bytes())
+    previous = {r["run_dir"]: r for r in read_table(out_dir / "runs.parquet")}
     parent = _parent_tracker(suite, path, overrides, out_dir)
     parent_id = getattr(parent, "run_id", None)
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
@@ -438,7 +429,7 @@ def _run_locked(
         artifacts.append(plot_compare(means, out_dir / name, ylabel=PERSONAL, spread=spread))
     failed = [r for r in rows if r["status"] != "FINISHED"]
     table = format_results(suite, results, time.perf_counter() - start, failed)
-    (out_dir / "table.txt").write_text(table + "\n")
+    write_atomic(out_dir / "table.txt", (table + "\n").encode())
     artifacts.append(out_dir / "table.txt")
     for agg in results:
         prefix = f"{agg['setting'] + '/' if agg['setting'] else ''}{agg['label']}/"

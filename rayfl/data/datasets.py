@@ -4,8 +4,9 @@ Every loader returns an `ArrayDataset`: uint8 images (N, C, H, W) plus int64 lab
 their compact on-disk dtype. Normalisation happens per batch in `ArrayDataset.as_tensor`, so the
 whole dataset is never copied to float32 (a worker can read it zero-copy from Ray's object store).
 
-Loaders read the real on-disk formats themselves (IDX, CIFAR python pickles, the
-`tiny-imagenet-200` folder) and fall back to a torchvision download only when the files are
+Loaders read the real on-disk formats themselves (IDX here; CIFAR's python batches in
+`rayfl.data.cifar`, never with a plain unpickler; the `tiny-imagenet-200` folder in
+`rayfl.data.tinyimagenet`) and fall back to a torchvision download only when the files are
 missing. They are registered by name in `rayfl.registry.DATASETS` and called through
 `load_dataset(name, root, **options)`.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import gzip
 import logging
 import os
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +35,6 @@ DEBIAN_DIRS: dict[str, Path] = {
     "fmnist": Path("/usr/share/datasets/fashion-mnist"),
     "mnist": Path("/usr/share/datasets/mnist"),
 }
-
-TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
-
-# Bump when the layout of the Tiny ImageNet cache changes, so stale caches are rebuilt.
-_TINY_CACHE_VERSION = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -315,202 +310,6 @@ def load_mnist(root: str | None = None, **options: Any) -> ArrayDataset:
         apt_package="dataset-mnist",
         mean=0.1307,
         std=0.3081,
-    )
-
-
-def _unpickle(path: Path) -> dict[Any, Any]:
-    with open(path, "rb") as f:
-        # The official batches were pickled by Python 2; "bytes" keeps their keys as b"data".
-        return pickle.load(f, encoding="bytes")
-
-
-def _field(batch: dict[Any, Any], key: str) -> Any:
-    if key.encode() in batch:
-        return batch[key.encode()]
-    if key in batch:
-        return batch[key]
-    raise UserError(f"CIFAR batch has no {key!r} entry; the file is corrupt, re-download it")
-
-
-def _read_cifar_batches(paths: Sequence[Path], label_key: str) -> tuple[np.ndarray, np.ndarray]:
-    xs, ys = [], []
-    for path in paths:
-        batch = _unpickle(path)
-        # Rows are 3072 bytes: the red plane, then green, then blue, each 32x32 row-major.
-        xs.append(np.asarray(_field(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32))
-        ys.append(np.asarray(_field(batch, label_key), dtype=np.int64))
-    x = xs[0] if len(xs) == 1 else np.concatenate(xs)
-    return _u8_images(x), np.concatenate(ys)
-
-
-_CIFAR = {
-    # name: folder, train files, test files, label key, torchvision class, classes, mean, std
-    "cifar10": (
-        "cifar-10-batches-py",
-        tuple(f"data_batch_{i}" for i in range(1, 6)),
-        ("test_batch",),
-        "labels",
-        "CIFAR10",
-        10,
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-    ),
-    "cifar100": (
-        "cifar-100-python",
-        ("train",),
-        ("test",),
-        "fine_labels",
-        "CIFAR100",
-        100,
-        (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762),
-    ),
-}
-
-
-def _load_cifar(name: str, root: str | None) -> ArrayDataset:
-    folder, train_files, test_files, label_key, tv_class, classes, mean, std = _CIFAR[name]
-    base = _root(root)
-
-    def find() -> Path | None:
-        for d in (base / folder, base):
-            if all((d / f).is_file() for f in (*train_files, *test_files)):
-                return d
-        return None
-
-    directory = find()
-    if directory is None:
-        logger.info("%s: %s not found under %s; downloading with torchvision", name, folder, base)
-        try:
-            _download(tv_class, base)
-        except Exception as exc:  # offline, DNS, checksum: the fix is the same
-            raise UserError(
-                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); "
-                f"put the extracted python version ({folder}/ with {', '.join(train_files + test_files)}) "
-                f"under {base}"
-            ) from exc
-        directory = find()
-        if directory is None:
-            raise UserError(
-                f"{name}: torchvision downloaded no {folder}/ under {base}; put it there"
-            )
-    logger.info("%s: loading %s", name, directory)
-    x_train, y_train = _read_cifar_batches([directory / f for f in train_files], label_key)
-    x_test, y_test = _read_cifar_batches([directory / f for f in test_files], label_key)
-    return ArrayDataset(name, x_train, y_train, x_test, y_test, classes, mean, std, 255.0)
-
-
-@DATASETS.register("cifar10")
-def load_cifar10(root: str | None = None, **options: Any) -> ArrayDataset:
-    """CIFAR-10: 50k/10k 32x32 RGB images of 10 classes, from `root/cifar-10-batches-py`."""
-    _check_options("cifar10", options)
-    return _load_cifar("cifar10", root)
-
-
-@DATASETS.register("cifar100")
-def load_cifar100(root: str | None = None, **options: Any) -> ArrayDataset:
-    """CIFAR-100 (fine labels): 50k/10k 32x32 RGB images of 100 classes, from `root/cifar-100-python`."""
-    _check_options("cifar100", options)
-    return _load_cifar("cifar100", root)
-
-
-def _read_jpeg(path: Path, size: int) -> np.ndarray:
-    from PIL import Image  # lazy: Pillow comes with torchvision
-
-    with Image.open(path) as img:
-        # About 2% of Tiny ImageNet is greyscale; every image becomes 3-channel RGB.
-        rgb = img.convert("RGB")
-        if rgb.size != (size, size):
-            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-        return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
-
-
-def _decode_tinyimagenet(folder: Path, size: int = 64) -> dict[str, np.ndarray]:
-    wnids = sorted(
-        line.strip() for line in (folder / "wnids.txt").read_text().splitlines() if line.strip()
-    )
-    label_of = {wnid: i for i, wnid in enumerate(wnids)}
-    train: list[tuple[Path, int]] = []
-    for wnid in wnids:
-        images = sorted((folder / "train" / wnid / "images").glob("*.JPEG"))
-        if not images:
-            raise UserError(
-                f"tinyimagenet: no images in {folder / 'train' / wnid / 'images'}; re-extract it"
-            )
-        train.extend((p, label_of[wnid]) for p in images)
-    val: list[tuple[Path, int]] = []
-    for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
-        parts = line.split("\t")
-        if len(parts) >= 2:
-            val.append((folder / "val" / "images" / parts[0], label_of[parts[1]]))
-
-    def decode(items: list[tuple[Path, int]]) -> tuple[np.ndarray, np.ndarray]:
-        # Decode straight into the final uint8 array: no per-image list, no float copies.
-        x = np.empty((len(items), 3, size, size), dtype=np.uint8)
-        for i, (path, _) in enumerate(items):
-            x[i] = _read_jpeg(path, size)
-        return x, np.array([label for _, label in items], dtype=np.int64)
-
-    logger.info(
-        "tinyimagenet: decoding %d train and %d val JPEGs (cached afterwards)", len(train), len(val)
-    )
-    x_train, y_train = decode(train)
-    x_test, y_test = decode(val)
-    return {
-        "x_train": x_train,
-        "y_train": y_train,
-        "x_test": x_test,
-        "y_test": y_test,
-        "wnids": np.array(wnids),
-        "version": np.array(_TINY_CACHE_VERSION),
-    }
-
-
-@DATASETS.register("tinyimagenet")
-def load_tinyimagenet(root: str | None = None, **options: Any) -> ArrayDataset:
-    """Tiny ImageNet: 100k train / 10k val 64x64 RGB images of 200 classes.
-
-    Reads the standard `tiny-imagenet-200` folder under `root` (the labelled `val` split is the
-    test set; `test` has no labels). Classes are numbered in sorted wnid order. The decoded
-    arrays are cached as `root/tiny-imagenet-200.npz`, so only the first load decodes JPEGs.
-    """
-    _check_options("tinyimagenet", options)
-    base = _root(root)
-    folder = base if base.name == "tiny-imagenet-200" else base / "tiny-imagenet-200"
-    cache = folder.with_suffix(".npz")
-    arrays: dict[str, np.ndarray] | None = None
-    if cache.is_file():
-        with np.load(cache) as npz:
-            if int(npz["version"]) == _TINY_CACHE_VERSION:
-                arrays = {k: npz[k] for k in npz.files}
-                logger.info("tinyimagenet: loaded cache %s", cache)
-    if arrays is None:
-        if not (folder / "wnids.txt").is_file():
-            raise UserError(
-                f"tinyimagenet: {folder} not found; download {TINYIMAGENET_URL} and unzip it "
-                f"into {folder.parent} (set data.root or $RAYFL_DATA to use another directory)"
-            )
-        arrays = _decode_tinyimagenet(folder)
-        try:
-            # Write to a temporary name and rename, so a concurrent reader never sees half a file.
-            tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-            named: dict[str, Any] = dict(arrays)  # savez's stubs mistype **kwds
-            np.savez(tmp, **named)
-            os.replace(tmp, cache)
-        except OSError as exc:
-            logger.warning(
-                "tinyimagenet: could not write cache %s (%s); decoding again next time", cache, exc
-            )
-    return ArrayDataset(
-        name="tinyimagenet",
-        x_train=arrays["x_train"],
-        y_train=arrays["y_train"].astype(np.int64),
-        x_test=arrays["x_test"],
-        y_test=arrays["y_test"].astype(np.int64),
-        num_classes=len(arrays["wnids"]),
-        mean=(0.4802, 0.4481, 0.3975),
-        std=(0.2770, 0.2691, 0.2821),
-        scale=255.0,
     )
 
 

@@ -244,6 +244,8 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
     import pyarrow as pa  # lazy: only runs that save need it
     import pyarrow.parquet as pq
 
+    from rayfl.safefile import write_with
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     groups = [
@@ -278,8 +280,9 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
         }
     )
     paths = [run_dir / PARTITION_FILE, run_dir / CLASS_COUNTS_FILE]
-    pq.write_table(partition, paths[0])
-    pq.write_table(counts, paths[1])
+    # replaced atomically, never written through a link planted in the run directory
+    write_with(paths[0], lambda f: pq.write_table(partition, f))
+    write_with(paths[1], lambda f: pq.write_table(counts, f))
     return paths
 
 

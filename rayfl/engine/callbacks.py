@@ -15,7 +15,7 @@ import yaml
 from rayfl.config import RunConfig, to_dict
 from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
-from rayfl.locking import write_atomic
+from rayfl.safefile import write_atomic
 from rayfl.tables import write_table
 
 if TYPE_CHECKING:
@@ -319,6 +319,12 @@ def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
     ]
 
 
+def _tracked(row: dict[str, float]) -> dict[str, float]:
+    """A round's metrics as tracked: `round` is the step and `clients` the count of replies,
+    bookkeeping, not results."""
+    return {k: v for k, v in row.items() if k not in ("round", "clients")}
+
+
 class TrackerCallback(Callback):
     """Sends config, per-round metrics and the run directory's artifacts to a `Tracker` (MLflow)."""
 
@@ -335,16 +341,16 @@ class TrackerCallback(Callback):
                 "rayfl.config_name": sim.cfg.name,
             }
         )
+        log_missing = getattr(self.tracker, "log_missing", None)
+        if log_missing is not None and sim.result.history:  # a resume: rounds it may have missed
+            log_missing([(int(r["round"]), _tracked(r)) for r in sim.result.history])
         log_dataset = getattr(self.tracker, "log_dataset", None)
         if log_dataset is not None:
             for name, context, x, y in dataset_views(sim):
                 log_dataset(name, x, y, context, source=sim.cfg.data.root or sim.cfg.data.dataset)
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        # `round` is the step and `clients` the count of replies: bookkeeping, not results
-        self.tracker.log_metrics(
-            {k: v for k, v in metrics.items() if k not in ("round", "clients")}, step=round_idx
-        )
+        self.tracker.log_metrics(_tracked(metrics), step=round_idx)
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
         if self.run_dir is not None:

@@ -18,6 +18,12 @@ writes of its participants only. Nothing is read with pickle: states are ``.npz`
 ``allow_pickle=False``; nested dicts, lists, None and scalars are described by a JSON tree stored
 in the same file (see :func:`encode_state`). ``--resume`` checks the manifest (round, file list,
 sizes, checksums, config hash) and refuses a torn, foreign or truncated checkpoint in one line.
+
+A run directory is untrusted (docs/security.md): the link must name a real checkpoint folder
+of the run directory, every file is read through :mod:`rayfl.safefile` (no symlink followed,
+sizes bounded before reading, JSON depth bounded, ``.npz`` headers checked against their bytes),
+and the loaded states are checked against the freshly built model before any is used
+(:meth:`Restored.check_server`, :meth:`Restored.client_states`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -39,10 +45,21 @@ import numpy as np
 from rayfl.config import RunConfig, to_dict
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import UserError
-from rayfl.locking import unique_suffix
+from rayfl.safefile import (
+    JSON_LIMIT,
+    STATE_LIMIT,
+    UnsafeFile,
+    check_npz,
+    loads_json,
+    open_npz,
+    read_bytes,
+    real_dir,
+    unique_suffix,
+)
 
 if TYPE_CHECKING:
     from rayfl.engine.executor import Executor
+    from rayfl.engine.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +135,23 @@ def decode_state(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
         raise ValueError(f"malformed state tree node {tree!r}")
     ((kind, v),) = tree.items()
     if kind == "a":
+        if not isinstance(v, str) or v not in arrays:
+            raise ValueError(f"state tree names a missing array {v!r}")
         return arrays[v]
     if kind == "v":
         return v
     if kind == "i":
+        if not isinstance(v, str) or len(v) > 40:
+            raise ValueError("malformed integer in the state tree")
         return int(v)
     if kind == "f":
         return float.fromhex(v)
     if kind == "d":
+        if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+            raise ValueError("malformed dict in the state tree")
         return {k: decode_state(x, arrays) for k, x in v}
+    if kind in ("l", "t") and not isinstance(v, list):
+        raise ValueError("malformed list in the state tree")
     if kind == "l":
         return [decode_state(x, arrays) for x in v]
     if kind == "t":
@@ -155,8 +180,17 @@ def state_bytes(state: Any) -> bytes:
 
 def load_state(path: Path | IO[bytes]) -> Any:
     """Read a state written by :func:`state_bytes` (a path or a binary file); never unpickles."""
-    with np.load(path, allow_pickle=False) as z:
-        tree = json.loads(bytes(z[_TREE]).decode())
+    if isinstance(path, Path | str):
+        return state_from_bytes(read_bytes(Path(path), STATE_LIMIT), Path(path))
+    return state_from_bytes(path.read(), Path("<state>"))
+
+
+def state_from_bytes(data: bytes, path: Path) -> Any:
+    """A state from the bytes of its ``.npz`` file (see :func:`rayfl.safefile.open_npz`)."""
+    with open_npz(data, path) as z:
+        if _TREE not in z.files:
+            raise ValueError("no state tree")
+        tree = loads_json(bytes(z[_TREE]), path)
         arrays = {k: z[k] for k in z.files if k != _TREE}
     return decode_state(tree, arrays)
 
@@ -170,17 +204,9 @@ def _history_json(history: list[dict[str, float]]) -> bytes:
     return json.dumps(rows, allow_nan=False).encode()
 
 
-def _read_history(data: bytes) -> list[dict[str, float]]:
-    rows = json.loads(data)
-    return [{k: float(v) for k, v in r.items()} for r in rows]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _read_history(data: bytes, path: Path) -> list[dict[str, float]]:
+    rows = loads_json(data, path, depth=2)
+    return [{str(k): float(v) for k, v in r.items()} for r in rows]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -209,11 +235,108 @@ class Restored:
             int(n[len("clients/") : -len(".npz")]) for n in self.files if n.startswith("clients/")
         )
 
-    def client_states(self) -> Iterator[tuple[int, Any]]:
-        """Yield ``(client id, state)`` one at a time."""
+    def client_states(
+        self, template: Callable[[int], Any] | None = None
+    ) -> Iterator[tuple[int, Any]]:
+        """Yield ``(client id, state)`` one at a time, each read again and its checksum checked
+        (the folder may have changed since :func:`verify`); with ``template`` (client id -> the
+        state of that client's fresh model, see :func:`client_templates`) each is checked
+        against it first (:func:`state_mismatch`).
+
+        Raises:
+            UserError: a changed file or a state unlike its template, in one line.
+        """
         for cid in self.client_ids():
             path = self.folder / "clients" / f"{cid}.npz"
-            yield cid, _load_verified(path, self.files[f"clients/{cid}.npz"])
+            state = _load_verified(path, self.files[f"clients/{cid}.npz"])
+            if template is not None:
+                expected = template(cid)
+                self._check(
+                    f"client {cid} is not a client of this run"
+                    if expected is None
+                    else state_mismatch(state, expected, f"client {cid}")
+                )
+            yield cid, state
+
+    def check_server(self, template: Any) -> None:
+        """Check the server state against ``template``, the state of the server this run built
+        fresh from the user's config (same keys, array shapes and dtypes), before it is used.
+
+        Raises:
+            UserError: the first mismatch, in one line.
+        """
+        self._check(state_mismatch(self.server_state, template, "server"))
+
+    def _check(self, problem: str) -> None:
+        if problem:
+            raise _refuse(
+                self.folder, f"{problem}, unlike the model this config builds (not this run's)"
+            )
+
+
+def client_templates(spec: RunSpec) -> Callable[[int], Any]:
+    """Client id -> the state of a fresh client of its architecture built from ``spec`` (the
+    user's config), with the local-only shadow's part under ``baseline/`` when the run keeps
+    one: what :meth:`Restored.client_states` compares each restored client state with. One model is
+    built per architecture, on the CPU."""
+    import torch
+
+    from rayfl.engine.worker import BASELINE
+    from rayfl.registry import ALGORITHMS
+
+    cache: dict[str, Any] = {}
+
+    def template(cid: int) -> Any:
+        arch = spec.archs[cid] if 0 <= cid < len(spec.archs) else None
+        if arch is None:
+            return None  # a client this run does not have: refused as a mismatch
+        if arch not in cache:
+            ctx = spec.client_context(arch, torch.device("cpu"))
+            state = dict(spec.algo.client(ctx, spec.params).state_dict())
+            if spec.local_baseline:
+                local = ALGORITHMS.get("local")
+                shadow = local.client(ctx, local.params()).state_dict()
+                state.update({BASELINE + k: v for k, v in shadow.items()})
+            cache[arch] = state
+        return cache[arch]
+
+    return template
+
+
+def state_mismatch(state: Any, template: Any, where: str) -> str:
+    """Where ``state`` differs from ``template`` in structure, array shape or dtype ('' if
+    nowhere). Dict keys, list lengths and arrays must match; scalars need the same type; what
+    the fresh model leaves empty (None, an empty dict) cannot be compared and is accepted."""
+    if isinstance(template, np.ndarray | np.generic):
+        if not isinstance(state, np.ndarray | np.generic):
+            return f"{where} is not an array"
+        if state.shape != template.shape or state.dtype != template.dtype:
+            return (
+                f"{where} is {state.dtype}{list(state.shape)}, the model's "
+                f"{template.dtype}{list(template.shape)}"
+            )
+        return ""
+    if isinstance(template, dict):
+        if not template:  # filled as the run goes (a prototype table): nothing to compare yet
+            return "" if isinstance(state, dict) else f"{where} is not a mapping"
+        if not isinstance(state, dict) or set(state) != set(template):
+            return f"{where} has other keys"
+        for key, value in template.items():
+            problem = state_mismatch(state[key], value, f"{where}.{key}")
+            if problem:
+                return problem
+        return ""
+    if isinstance(template, list | tuple):
+        if not isinstance(state, list | tuple) or len(state) != len(template):
+            return f"{where} has another length"
+        for i, (a, b) in enumerate(zip(state, template)):
+            problem = state_mismatch(a, b, f"{where}[{i}]")
+            if problem:
+                return problem
+        return ""
+    if template is not None and state is not None and type(state) is not type(template):
+        return f"{where} is a {type(state).__name__}, not a {type(template).__name__}"
+    return ""
 
 
 def _refuse(ckpt: Path, problem: str) -> UserError:
@@ -225,8 +348,17 @@ def _refuse(ckpt: Path, problem: str) -> UserError:
 
 def _load_verified(path: Path, info: dict[str, Any]) -> Any:
     try:
-        return load_state(path)
-    except Exception as exc:  # a file that passed its checksum but does not parse
+        data = read_bytes(path, int(info["bytes"]))
+    except FileNotFoundError:
+        raise _refuse(path, "it is missing") from None
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        raise _refuse(path, "it is truncated or changed (checksum mismatch)")
+    try:
+        return state_from_bytes(data, path)
+    except UnsafeFile:
+        raise
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+        # a file that passed its checksum but does not parse
         raise _refuse(path, f"unreadable state file ({type(exc).__name__})") from None
 
 
@@ -258,18 +390,24 @@ def verify(run_dir: Path, cfg: RunConfig) -> Restored:
     target = os.readlink(link)
     if not _FOLDER.match(target):
         raise _refuse(link, f"it points outside the run directory ({target!r})")
-    folder = run_dir / target
+    folder = real_dir(run_dir / target, inside=run_dir)
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest = loads_json(
+            read_bytes(folder / "manifest.json", JSON_LIMIT), folder / "manifest.json", depth=3
+        )
     except FileNotFoundError:
         raise _refuse(folder, "manifest.json is missing") from None
-    except (OSError, ValueError):
+    except UnsafeFile as exc:
+        if "not valid JSON" not in str(exc):
+            raise
         raise _refuse(folder, "manifest.json is unreadable or truncated") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _refuse(folder, f"manifest.json is not a {FORMAT} manifest")
     rnd, files = manifest.get("round"), manifest.get("files")
-    if not isinstance(rnd, int) or rnd < 1 or not isinstance(files, dict):
-        raise _refuse(folder, "manifest.json lacks the round or the file list")
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or not 1 <= rnd <= 10**7:
+        raise _refuse(folder, f"manifest.json has no valid round ({rnd!r})")
+    if not isinstance(files, dict):
+        raise _refuse(folder, "manifest.json lacks the file list")
     if manifest.get("config_hash") != config_hash(cfg):
         raise UserError(
             f"cannot resume from {folder}: the checkpoint was written with other settings "
@@ -279,19 +417,34 @@ def verify(run_dir: Path, cfg: RunConfig) -> Restored:
     for name in ("server.npz", "history.json"):
         if name not in files:
             raise _refuse(folder, f"the manifest does not list {name}")
+    if any(name.startswith("clients/") for name in files):
+        real_dir(folder / "clients", inside=folder)
     for name, info in files.items():
         if not _FILE.match(name) or not isinstance(info, dict):
             raise _refuse(folder, f"the manifest lists an unexpected file {name!r}")
-        path = folder / name
-        if not path.is_file():
-            raise _refuse(folder, f"{name} is missing")
-        if path.stat().st_size != info.get("bytes") or _sha256(path) != info.get("sha256"):
+        size = info.get("bytes")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= STATE_LIMIT:
+            raise _refuse(folder, f"the manifest gives {name} an invalid size ({size!r})")
+        try:
+            data = read_bytes(folder / name, size)
+        except FileNotFoundError:
+            raise _refuse(folder, f"{name} is missing") from None
+        except UnsafeFile as exc:
+            if "over the limit" not in str(exc):
+                raise
+            data = b""
+        if len(data) != size or hashlib.sha256(data).hexdigest() != info.get("sha256"):
             raise _refuse(folder, f"{name} is truncated or changed (checksum mismatch)")
+        if name.endswith(".npz"):
+            check_npz(data, folder / name)  # every state's headers, before Ray or any model
     try:
-        history = _read_history((folder / "history.json").read_bytes())
-    except (ValueError, TypeError, AttributeError):
+        history = _read_history(
+            read_bytes(folder / "history.json", files["history.json"]["bytes"]),
+            folder / "history.json",
+        )
+    except (ValueError, TypeError, AttributeError, UnsafeFile):
         raise _refuse(folder, "history.json is malformed") from None
-    if [int(r.get("round", -1)) for r in history] != list(range(1, rnd + 1)):
+    if [r.get("round", -1) for r in history] != list(range(1, rnd + 1)):
         raise _refuse(folder, f"history.json does not hold rounds 1..{rnd}")
     server = _load_verified(folder / "server.npz", files["server.npz"])
     return Restored(round=rnd, history=history, server_state=server, folder=folder, files=files)
@@ -400,6 +553,6 @@ class Checkpoint(Callback):
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
-        os.link(src, dst)
+        os.link(src, dst, follow_symlinks=False)
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(src, dst, follow_symlinks=False)

@@ -31,7 +31,7 @@ from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.background import Background
 from rayfl.engine.callbacks import Callback
-from rayfl.engine.checkpoint import Restored
+from rayfl.engine.checkpoint import Restored, client_templates
 from rayfl.engine.early import EarlyRay
 from rayfl.engine.executor import Executor, SerialExecutor
 from rayfl.engine.sampling import sample_clients
@@ -290,8 +290,10 @@ class Simulation:
     def restore(self, restored: Restored) -> None:
         """Continue after a checkpoint: server and client states, history, next round."""
         assert self.executor is not None
+        # the states come from an untrusted directory: shapes checked before any is used
+        restored.check_server(self.executor.server_state())
         self.executor.load_server_state(restored.server_state)
-        for cid, state in restored.client_states():
+        for cid, state in restored.client_states(client_templates(self.spec)):
             self.executor.load_client_state(cid, state)
         self.result.history = list(restored.history)
         self.start_round = restored.round + 1

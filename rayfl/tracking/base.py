@@ -28,6 +28,10 @@ class Tracker(Protocol):
     Implementations never raise from ``log_*`` because the sink failed (a tracking server
     outage must not end a simulation); they log a warning instead.
 
+    Optional methods, looked up with ``getattr`` by the engine: ``log_dataset`` and
+    ``log_missing(rows)``, which a resumed run calls with the ``(step, metrics)`` of the rounds
+    its checkpoint restored, so that a store keeping history (MLflow) gets the ones it missed.
+
     Attributes:
         run_id: The backend's id for this run (MLflow run id), or None when it has none.
     """

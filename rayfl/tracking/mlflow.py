@@ -21,7 +21,7 @@ import re
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -377,6 +377,32 @@ class MlflowTracker(TrackerBase):
                 continue
             self._pending.append(Metric(self._key(key), number, now_ms, int(step)))
         self._flush()
+
+    def log_missing(self, rows: Sequence[tuple[int, Mapping[str, float]]]) -> int:
+        """Log the ``(step, metrics)`` rows whose values this MLflow run does not hold yet, and
+        return how many values that was. A resumed run calls it with the rounds its checkpoint
+        restored: a driver killed after a checkpoint but before the tracker logged that round
+        (or during an outage that buffered it) would otherwise leave holes in every curve."""
+        if self._closed or not rows:
+            return 0
+        keys = sorted({k for _, metrics in rows for k in metrics})
+        logged: dict[str, set[int]] = {}
+        try:
+            for key in keys:
+                history = self.client.get_metric_history(self._run, self._key(key))
+                logged[key] = {m.step for m in history}
+        except Exception as exc:  # an outage: send every row (a step may then be twice)
+            self._failed("get_metric_history", exc)
+            logged = {}
+        sent = 0
+        for step, metrics in rows:
+            missing = {k: v for k, v in metrics.items() if step not in logged.get(k, set())}
+            if missing:
+                self.log_metrics(missing, step)
+                sent += len(missing)
+        if sent:
+            logger.info("MLflow run %s: re-logged %d values of resumed rounds", self.run_id, sent)
+        return sent
 
     def _flush(self, force: bool = False) -> None:
         from mlflow.exceptions import MlflowException

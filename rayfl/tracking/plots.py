@@ -25,6 +25,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rayfl.safefile import write_with
+
 logger = logging.getLogger(__name__)
 
 ARCH_PREFIX = "personal/acc/arch="
@@ -79,8 +81,8 @@ def _new_figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: floa
 def _save(fig: Figure, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    kind = out.suffix.lstrip(".") or "png"
+    return write_with(out, lambda f: fig.savefig(f, format=kind, dpi=120))
 
 
 def _no_data(ax: Axes, what: str) -> None:
@@ -402,5 +404,4 @@ def plot_class_counts(counts: Any, dataset: str, path: str | Path) -> Path:
             ax.legend(title="class", loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
-    return path
+    return write_with(path, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import subprocess
 import sys
@@ -351,3 +352,34 @@ def test_importing_rayfl_data_does_not_import_ray_or_mlflow():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
     )
     assert out.stdout.strip() == "[]"
+
+
+class _RunsCode:
+    """Unpickling this with a plain unpickler would run a shell command (creates `marker`)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("payload", ["system", "eval", "object_array"])
+def test_a_cifar_batch_that_needs_more_than_arrays_is_refused_and_runs_nothing(
+    tmp_path, monkeypatch, payload
+):
+    monkeypatch.setattr(datasets, "_download", fail_download)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    marker = tmp_path / "code-ran"
+    evil = {
+        "system": _RunsCode(marker),
+        "eval": {b"data": eval, b"labels": [0]},
+        "object_array": {b"data": np.array([_RunsCode], dtype=object), b"labels": [0]},
+    }[payload]
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        (folder / name).write_bytes(pickle.dumps(evil, protocol=2))
+    with pytest.raises(UserError, match="not an official CIFAR batch") as info:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert "\n" not in str(info.value)
+    assert not marker.exists()

@@ -92,12 +92,13 @@ def test_a_failed_resume_leaves_summary_and_metrics_alone(synthetic_raw, tmp_pat
     assert after == before
 
 
-def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path):
+def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from rayfl.tracking.mlflow import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the user's own store
     tracker = MlflowTracker(experiment="ls", tracking_uri=uri)  # never closed: a killed driver
     runs = tmp_path / "runs"
     killed, done = runs / "a", runs / "b"
@@ -133,3 +134,17 @@ def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_ls_runs_never_contacts_a_tracking_uri_named_by_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mine.db")
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "summary.json").write_text(json.dumps({"status": "RUNNING", "rounds": 1}))
+    elsewhere = tmp_path / "elsewhere" / "planted.db"
+    elsewhere.parent.mkdir()
+    write_mlflow_run(run, "0123abcd", f"sqlite:///{elsewhere}")
+    (info,) = list_runs(tmp_path / "runs")
+    assert info.status == "KILLED"
+    assert not elsewhere.exists() and not (tmp_path / "mine.db").exists()

@@ -7,6 +7,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from rayfl.engine.callbacks import Callback
 from rayfl.tracking.mlflow import MlflowTracker
 from tests.conftest import SYNTHETIC
 
@@ -97,3 +98,38 @@ def test_mark_killed_only_touches_running_runs(tmp_path):
     client = MlflowClient(uri)
     assert client.get_run(alive.run_id).info.status == "KILLED"
     assert client.get_run(done.run_id).info.status == "FINISHED"
+
+
+class _KillAfterCheckpoint(Callback):
+    """Stands for SIGKILL between the checkpoint of round `at` and its tracker callback: the
+    callbacks after this one (the tracker) never see that round."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_round_end(self, sim, round_idx, metrics):
+        if round_idx == self.at:
+            raise KeyboardInterrupt
+
+
+def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
+    import pytest
+    from mlflow import MlflowClient
+
+    from rayfl.config import build_config
+    from rayfl.launch import simulate
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=relog"]
+    out = tmp_path / "run"
+    cfg = build_config(SYNTHETIC, [*track, "engine.rounds=4", "engine.checkpoint_every=1"])
+    with pytest.raises(KeyboardInterrupt):
+        simulate(cfg, out, progress=False, extra_callbacks=[_KillAfterCheckpoint(at=2)])
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("relog").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "personal/acc")]
+    assert steps == [1]  # round 2 is in the checkpoint, not in MLflow
+    simulate(cfg, out, progress=False, resume=True)
+    for key in ("personal/acc", "comm/bytes_up"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == [1, 2, 3, 4], key

@@ -1,0 +1,293 @@
+"""Checking a config: the schema's types (`from_dict`, `convert`), ranges and cross-field rules
+(`check`), and what can be known infeasible before any data is loaded or Ray started
+(`check_feasible`): `rayfl validate` and `rayfl run` refuse the same configs, before the work.
+
+The schema itself (the dataclasses and `RANGES`) lives in `rayfl.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from rayfl.errors import ConfigError, require, suggest
+
+if TYPE_CHECKING:
+    from rayfl.config import RunConfig
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _options(tp: Any) -> list[str]:
+    """The values a bool or Literal annotation allows, as a config writes them (else none)."""
+    if tp is bool:
+        return ["true", "false"]
+    if typing.get_origin(tp) is Literal:
+        return [str(a) for a in typing.get_args(tp)]
+    return []
+
+
+def convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return convert(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        options = [_options(a) for a in args if a is not type(None)]
+        if all(options):  # e.g. `bool | Literal["auto"]`: one message naming every choice
+            names = [o for opts in options for o in opts]
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed{suggest(str(value), names)}; "
+                f"choose one of {', '.join(names)}"
+            )
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed{suggest(str(value), map(str, args))}; "
+                f"choose one of {', '.join(map(str, args))}"
+            )
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=f"{key}.")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
+        item_tp = args[0] if args else Any
+        return tuple(convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return _number(int(value), key)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return _number(value, key)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return _number(float(value), key)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
+
+
+def _number(value: float, key: str) -> Any:
+    """Every number in the schema is finite (and >= 0, see `from_dict`)."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number (got {value!r})")
+    return value
+
+
+# Settings that no longer exist, and why (docs/performance.md, "Engine options and what they cost")
+REMOVED = {
+    "engine.driver_trains": "the driver no longer trains beside the workers' actors; delete the "
+    "key (engine.num_workers sets the workers)",
+    "engine.lean_ray": "a private Ray now starts with Ray's supported options only; delete the key",
+    "engine.grouped": "grouped (vectorized) client training was slower than the loop and is gone; "
+    "delete the key",
+}
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if f"{prefix}{key}" in REMOVED:
+            raise ConfigError(f"{prefix}{key} was removed: {REMOVED[f'{prefix}{key}']}")
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
+                f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
+            )
+    kwargs = {
+        name: convert(data[name], hints[name], f"{prefix}{name}") for name in fields if name in data
+    }
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
+    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
+    non_negative(kwargs, prefix)
+    return obj
+
+
+def non_negative(values: Mapping[str, Any], prefix: str) -> None:
+    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
+    for name, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
+
+
+def _dotted(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check(cfg: RunConfig) -> None:
+    """Cross-field checks that need no data: ranges and registry names."""
+    from rayfl.config import RANGES
+    from rayfl.registry import DATASETS, PARTITIONERS
+
+    d, e = cfg.data, cfg.engine
+    if d.dataset not in DATASETS:
+        DATASETS.get(d.dataset, key="data.dataset")
+    if d.partition.name not in PARTITIONERS:
+        PARTITIONERS.get(d.partition.name, key="data.partition.name")
+    for key, rng in RANGES.items():
+        value = _dotted(cfg, key)
+        if value is not None:
+            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
+    if e.clients_per_round is not None:
+        require(
+            e.clients_per_round <= d.num_clients,
+            "engine.clients_per_round",
+            f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
+            f"lower it or raise data.num_clients",
+        )
+    for name, res in (
+        ("worker_resources", e.worker_resources),
+        ("server_resources", e.server_resources),
+    ):
+        for attr in ("num_cpus", "num_gpus"):
+            value = getattr(res, attr)
+            require(value >= 0, f"engine.{name}.{attr}", f"must be >= 0 (got {value})")
+            require(
+                value <= 1 or float(value).is_integer(),
+                f"engine.{name}.{attr}",
+                f"fractions above 1 must be whole numbers (got {value})",
+            )
+    require(
+        e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
+        "engine.worker_resources",
+        "a worker must reserve some CPU or GPU",
+    )
+    require(
+        e.server_in != "driver"
+        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
+        "engine.server_in",
+        "driver runs the server in the driver's process, which reserves nothing; set "
+        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
+    )
+    if cfg.model.proportions is not None:
+        require(
+            all(p > 0 for p in cfg.model.proportions),
+            "model.proportions",
+            "every proportion must be > 0",
+        )
+    check_feasible(cfg)
+
+
+# Training-set size and classes of the built-in datasets, known without loading them, so that
+# an impossible partition is refused before any data is read or Ray started. A dataset not
+# named here (a plugin's) is checked when its data is loaded.
+DATASET_SIZES: dict[str, tuple[int, int]] = {
+    "fmnist": (60_000, 10),
+    "mnist": (60_000, 10),
+    "cifar10": (50_000, 10),
+    "cifar100": (50_000, 100),
+    "tinyimagenet": (100_000, 200),
+    "digits": (1_797, 10),  # before its own test split
+}
+SYNTHETIC_MAX_SAMPLES = 10_000_000  # 8x8 floats: 2.5 GB; more is a typo (1e12 was tried)
+
+
+def _train_size(cfg: RunConfig) -> tuple[int, int] | None:
+    """(training samples the partition splits, classes), or None when unknown without data."""
+    d = cfg.data
+    if d.dataset == "synthetic":
+        opts = d.options
+        n, classes = opts.get("num_samples", 2000), opts.get("num_classes", 10)
+        for key, value in (("num_samples", n), ("num_test", opts.get("num_test", 500))):
+            require(
+                isinstance(value, int) and 1 <= value <= SYNTHETIC_MAX_SAMPLES,
+                f"data.options.{key}",
+                f"must be a whole number in [1, {SYNTHETIC_MAX_SAMPLES}] (got {value!r})",
+            )
+        if not isinstance(classes, int) or classes < 1:
+            return None  # the loader names the problem
+    elif d.dataset in DATASET_SIZES:
+        n, classes = DATASET_SIZES[d.dataset]
+        if d.dataset == "digits":
+            n = int(n * (1 - float(d.options.get("test_fraction", 0.2))))
+    else:
+        return None
+    if d.train_samples is not None:
+        n = min(n, d.train_samples)
+    return int(n * (1 - d.public_fraction)), classes
+
+
+def check_feasible(cfg: RunConfig) -> None:
+    """Refuse what would fail only once the data is loaded or a round ran: a partition the
+    training set cannot give, more required replies than sampled clients.
+
+    Raises:
+        ConfigError: one line naming the key and the fix.
+    """
+    from rayfl.config import clients_per_round
+
+    per_round = clients_per_round(cfg)
+    require(
+        cfg.engine.min_replies <= per_round,
+        "engine.min_replies",
+        f"{cfg.engine.min_replies} replies required but only {per_round} clients are sampled "
+        "per round; lower it or sample more clients (engine.clients_per_round)",
+    )
+    size = _train_size(cfg)
+    if size is None:
+        return
+    n, classes = size
+    p, clients = cfg.data.partition, cfg.data.num_clients
+    require(
+        clients <= n,
+        "data.num_clients",
+        f"{clients} clients but {cfg.data.dataset} has {n} training samples to split; lower it",
+    )
+    if p.name == "pathological":
+        require(
+            p.classes_per_client <= classes,
+            "data.partition.classes_per_client",
+            f"{p.classes_per_client} classes per client but {cfg.data.dataset} has {classes}; "
+            f"lower it to at most {classes}",
+        )
+    if p.name == "dirichlet":
+        require(
+            clients * p.min_samples <= n,
+            "data.partition.min_samples",
+            f"{clients} clients x {p.min_samples} samples exceeds the {n} training samples of "
+            f"{cfg.data.dataset}; lower min_samples or data.num_clients",
+        )
