@@ -157,7 +157,7 @@ def init_ray(
             if spill_dir is not None:
                 Path(spill_dir).mkdir(parents=True, exist_ok=True)
                 # listed in `ray.init`'s docstring ("hidden / experimental" keywords), unlike
-                # `_system_config` ("testing only"); an unknown keyword would fail loudly
+                # the private system-config dict ("testing only"); an unknown keyword fails loudly
                 kwargs["object_spilling_directory"] = str(Path(spill_dir).resolve())
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:

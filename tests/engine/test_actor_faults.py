@@ -1,6 +1,8 @@
 """Fault paths of the Ray executor: a dead server actor, user errors raised inside actors, start-up
 time-outs. Each ends in identical numbers or in one line naming the fix."""
 
+import dataclasses
+
 import pytest
 import ray
 
@@ -47,8 +49,10 @@ def test_a_dead_server_actor_restarts_from_the_last_round_with_identical_numbers
 def test_a_user_error_inside_the_server_actor_reaches_the_user_as_its_one_line(
     ray_local, synthetic_raw, server_in
 ):
-    overrides = ["engine.executor=ray", "engine.min_replies=7", f"engine.server_in={server_in}"]
+    overrides = ["engine.executor=ray", f"engine.server_in={server_in}"]
     cfg = build_config(synthetic_raw, overrides)
+    # past the config's own check (it refuses 7 of 6 up front): the server must refuse the round
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, min_replies=7))
     with pytest.raises(RoundFailed) as err:
         Simulation(cfg, "/tmp/unused").run()
     assert type(err.value) is RoundFailed  # not Ray's RayTaskError(RoundFailed) wrapper

@@ -4,7 +4,8 @@ refuses them in one line with exit code 2, runs no code from them and touches no
 
 One real run (serial, synthetic data, 2 rounds, a checkpoint each round) is copied and changed per
 case. Its config.yaml then names the Ray executor, so a resume that got as far as starting Ray
-would show up (`ray.is_initialized()`) and be slow: every refusal happens before.
+would call `startup.init_ray` (patched to fail: the session's shared Ray may be up already);
+every refusal happens before.
 """
 
 from __future__ import annotations
@@ -208,10 +209,17 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("case,all_refuse", CASES, ids=[c.__name__ for c, _ in CASES])
 @pytest.mark.parametrize("command", ["resume", "report", "ls-runs"])
 def test_every_command_refuses_a_malicious_run_directory_in_one_line(
-    world, case, all_refuse, command, capsys
+    world, case, all_refuse, command, capsys, monkeypatch
 ):
-    import ray
+    from rayfl.engine import startup
 
+    ray_starts: list[str] = []  # (the test session's shared Ray may already be up)
+
+    def no_ray(*args: object, **kwargs: object) -> bool:
+        ray_starts.append(command)
+        raise AssertionError("the command reached Ray's start")
+
+    monkeypatch.setattr(startup, "init_ray", no_ray)
     run_dir, victim, marker = world
     case(run_dir, victim, marker)
     outside = _snapshot(victim.parent)
@@ -232,7 +240,7 @@ def test_every_command_refuses_a_malicious_run_directory_in_one_line(
     assert victim.read_bytes() == VICTIM
     assert _snapshot(victim.parent) == outside
     assert not marker.exists()
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_a_resume_names_the_path_to_repeat_on_the_command_line(world, capsys):
