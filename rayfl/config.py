@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 import yaml
 
-from rayfl.config_checks import check, convert, from_dict, non_negative
+from rayfl.config_checks import (  # noqa: F401 (RANGES, Range, clients_per_round: re-exported)
+    RANGES,
+    Range,
+    check,
+    clients_per_round,
+    convert,
+    from_dict,
+    non_negative,
+    per_round,
+)
 from rayfl.errors import ConfigError, suggest
 
 
@@ -206,73 +215,6 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-
-
-# --------------------------------------------------------------------------- ranges
-
-
-@dataclass(frozen=True)
-class Range:
-    """The allowed interval of a numeric setting; open ends exclude the bound."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def contains(self, v: float) -> bool:
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return False
-        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
-
-    def describe(self) -> str:
-        if self.hi is None:
-            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
-        left = "(" if self.lo_open else "["
-        right = ")" if self.hi_open else "]"
-        return f"must be in {left}{self.lo:g}, {self.hi:g}{right}"
-
-
-AT_LEAST_1 = Range(lo=1)
-POSITIVE = Range(lo=0, lo_open=True)
-
-# Every number in the schema must be finite and >= 0 (checked while parsing, with the key in the
-# message); these are the tighter ranges. A None value (where allowed) is never range-checked.
-RANGES: dict[str, Range] = {
-    "data.num_clients": AT_LEAST_1,
-    "data.partition.alpha": POSITIVE,
-    "data.partition.classes_per_client": AT_LEAST_1,
-    "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
-    "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
-    "data.train_samples": AT_LEAST_1,
-    "train.local_epochs": Range(lo=0, hi=10_000),
-    "train.batch_size": AT_LEAST_1,
-    "train.lr": POSITIVE,
-    "train.momentum": Range(lo=0, hi=1),
-    "train.grad_clip": POSITIVE,
-    "train.eval_batch_size": AT_LEAST_1,
-    "engine.rounds": AT_LEAST_1,
-    "engine.fraction": Range(lo=0, hi=1, lo_open=True),
-    "engine.clients_per_round": AT_LEAST_1,
-    "engine.num_workers": Range(lo=1, hi=10_000),
-    "engine.ray_num_cpus": AT_LEAST_1,
-    "engine.object_store_mb": Range(lo=80),
-    "engine.eval_every": AT_LEAST_1,
-    "engine.clients_per_call": AT_LEAST_1,
-    "engine.num_threads": AT_LEAST_1,
-    "engine.server_threads": AT_LEAST_1,
-    "engine.round_timeout_s": POSITIVE,
-    "engine.min_replies": AT_LEAST_1,
-    "engine.startup_timeout_s": POSITIVE,
-    "privacy.dp.clip": POSITIVE,
-    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
-    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
-    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
-    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
-}
-
-
-# --------------------------------------------------------------------------- parsing
 
 
 class _Loader(yaml.SafeLoader):
@@ -520,16 +462,6 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def clients_per_round(cfg: RunConfig) -> int:
-    return _per_round(cfg.engine, cfg.data.num_clients)
-
-
-def _per_round(e: EngineConfig, num_clients: int) -> int:
-    if e.clients_per_round is not None:
-        return e.clients_per_round
-    return max(1, round(e.fraction * num_clients))
-
-
 def server_in_driver(e: EngineConfig) -> bool:
     """Whether the Ray executor runs the server half in the driver's process (`engine.server_in`)."""
     if e.server_in != "auto":
@@ -554,4 +486,4 @@ def ray_preview(
         return None
     if engine.executor != "ray":
         return None
-    return engine, _per_round(engine, data.num_clients)
+    return engine, per_round(engine, data.num_clients)

@@ -17,7 +17,84 @@ from typing import TYPE_CHECKING, Any, Literal
 from rayfl.errors import ConfigError, require, suggest
 
 if TYPE_CHECKING:
-    from rayfl.config import RunConfig
+    from rayfl.config import EngineConfig, RunConfig
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The allowed interval of a numeric setting; open ends exclude the bound."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
+        left = "(" if self.lo_open else "["
+        right = ")" if self.hi_open else "]"
+        return f"must be in {left}{self.lo:g}, {self.hi:g}{right}"
+
+
+AT_LEAST_1 = Range(lo=1)
+POSITIVE = Range(lo=0, lo_open=True)
+
+# Every number in the schema must be finite and >= 0 (checked while parsing, with the key in the
+# message); these are the tighter ranges. A None value (where allowed) is never range-checked.
+RANGES: dict[str, Range] = {
+    "data.num_clients": AT_LEAST_1,
+    "data.partition.alpha": POSITIVE,
+    "data.partition.classes_per_client": AT_LEAST_1,
+    "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
+    "data.train_samples": AT_LEAST_1,
+    "train.local_epochs": Range(lo=0, hi=10_000),
+    "train.batch_size": AT_LEAST_1,
+    "train.lr": POSITIVE,
+    "train.momentum": Range(lo=0, hi=1),
+    "train.grad_clip": POSITIVE,
+    "train.eval_batch_size": AT_LEAST_1,
+    "engine.rounds": AT_LEAST_1,
+    "engine.fraction": Range(lo=0, hi=1, lo_open=True),
+    "engine.clients_per_round": AT_LEAST_1,
+    "engine.num_workers": Range(lo=1, hi=10_000),
+    "engine.ray_num_cpus": AT_LEAST_1,
+    "engine.object_store_mb": Range(lo=80),
+    "engine.eval_every": AT_LEAST_1,
+    "engine.clients_per_call": AT_LEAST_1,
+    "engine.num_threads": AT_LEAST_1,
+    "engine.server_threads": AT_LEAST_1,
+    "engine.round_timeout_s": POSITIVE,
+    "engine.min_replies": AT_LEAST_1,
+    "engine.startup_timeout_s": POSITIVE,
+    "privacy.dp.clip": POSITIVE,
+    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
+    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
+    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
+}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def clients_per_round(cfg: RunConfig) -> int:
+    return per_round(cfg.engine, cfg.data.num_clients)
+
+
+def per_round(e: EngineConfig, num_clients: int) -> int:
+    if e.clients_per_round is not None:
+        return e.clients_per_round
+    return max(1, round(e.fraction * num_clients))
 
 
 def _type_name(tp: Any) -> str:
@@ -160,7 +237,6 @@ def _dotted(cfg: Any, key: str) -> Any:
 
 def check(cfg: RunConfig) -> None:
     """Cross-field checks that need no data: ranges and registry names."""
-    from rayfl.config import RANGES
     from rayfl.registry import DATASETS, PARTITIONERS
 
     d, e = cfg.data, cfg.engine
@@ -258,7 +334,6 @@ def check_feasible(cfg: RunConfig) -> None:
     Raises:
         ConfigError: one line naming the key and the fix.
     """
-    from rayfl.config import clients_per_round
 
     per_round = clients_per_round(cfg)
     require(
