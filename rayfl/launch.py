@@ -75,12 +75,14 @@ def simulate(
     starts it before checking the config); the simulation owns it from here.
     """
     from rayfl.engine.checkpoint import Checkpoint
-    from rayfl.engine.rundir import RunLock, check_writable
+    from rayfl.engine.rundir import RunLock, check_run_dir, check_writable
 
     run_dir = Path(run_dir)
     try:
         check_writable(run_dir)
         with RunLock(run_dir):
+            if resume:  # every resume (CLI, Python API, a suite's runs) reads an untrusted folder
+                check_run_dir(run_dir)
             checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
             if resume:
                 checkpoint.verify(cfg)

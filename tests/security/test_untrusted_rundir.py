@@ -287,3 +287,19 @@ def test_report_refuses_a_malformed_summary_in_one_line(world, capsys):
         assert cli.main(["report", str(run_dir)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("rayfl: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_resume_from_python_refuses_what_the_cli_refuses(world):
+    # The check of the directory's entries sits where every resume goes (launch.simulate), not
+    # only in the CLI's: rayfl.run(resume=True) and a suite's resumed runs pass through it too.
+    from rayfl.errors import UserError
+    from rayfl.launch import simulate
+
+    run_dir, victim, marker = world
+    os.mkfifo(run_dir / "stray")  # nothing reads it: only the directory check can see it
+    raw = json.loads(json.dumps(SYNTHETIC))
+    raw["engine"].update({"checkpoint_every": 1, "rounds": 3})
+    with pytest.raises(UserError) as err:
+        simulate(build_config(raw), run_dir, progress=False, resume=True)
+    assert "stray" in str(err.value) and "\n" not in str(err.value)
+    assert victim.read_bytes() == VICTIM
