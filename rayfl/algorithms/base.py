@@ -160,6 +160,19 @@ class Client(Generic[P]):
     `upload`, and stores `state_dict()` again. Whatever is not in `persistent` is transient.
     """
 
+    # Whether the model `deployed_model` returns depends on the received payload. False (the
+    # client deploys its own local model, e.g. pFedES, FML, FedKD, FD): under the `deployed`
+    # protocol a client that has not trained since its last score keeps that score whatever the
+    # server broadcasts. True (the safe default: FedAvg's global model, LG-FedAvg's head...):
+    # it keeps it only while its architecture's payload is unchanged.
+    deployed_uses_payload: ClassVar[bool] = True
+
+    @classmethod
+    def deploys_payload(cls, params: P) -> bool:
+        """`deployed_uses_payload` of the class `cls(ctx, params)` builds (a factory such as
+        `PFedESClient` answers for the variant `params` choose)."""
+        return cls.deployed_uses_payload
+
     def __init__(self, ctx: ClientContext, params: P) -> None:
         self.ctx = ctx
         self.params: P = params

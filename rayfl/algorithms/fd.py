@@ -57,6 +57,8 @@ class FDParams:
 
 
 class FDClient(protos.ClassStatsClient[FDParams]):
+    deployed_uses_payload = False  # deploys its local model
+
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
         super().__init__(ctx, params)
         self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)

@@ -82,6 +82,8 @@ def adaptive_losses(
 
 
 class FedKDClient(ModelClient[FedKDParams]):
+    deployed_uses_payload = False  # deploys its local mentor (the mentee travels)
+
     def __init__(self, ctx: ClientContext, params: FedKDParams) -> None:
         super().__init__(ctx, params)
         archs = ctx.family_archs or (ctx.arch,)

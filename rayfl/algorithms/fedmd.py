@@ -79,6 +79,8 @@ def digest_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.
 
 
 class FedMDClient(ModelClient[FedMDParams]):
+    deployed_uses_payload = False  # deploys its local model
+
     def __init__(self, ctx: ClientContext, params: FedMDParams) -> None:
         super().__init__(ctx, params)
         self.consensus: torch.Tensor | None = None

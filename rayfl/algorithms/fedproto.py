@@ -83,6 +83,10 @@ class FedProtoParams:
 
 
 class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
+    @classmethod
+    def deploys_payload(cls, params: FedProtoParams) -> bool:
+        return params.predict == "prototype"  # its own head needs no global prototype
+
     def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)

@@ -101,6 +101,8 @@ def mutual_losses(
 
 
 class FMLClient(ModelClient[FMLParams]):
+    deployed_uses_payload = False  # deploys its local model (the meme model travels)
+
     def __init__(self, ctx: ClientContext, params: FMLParams) -> None:
         super().__init__(ctx, params)
         archs = ctx.family_archs or (ctx.arch,)

@@ -16,6 +16,8 @@ from rayfl.registry import ALGORITHMS
 class LocalClient(ModelClient[NoParams]):
     """Its own model, cross-entropy on its own data; nothing received, nothing uploaded."""
 
+    deployed_uses_payload = False  # deploys its own model
+
 
 ALGORITHMS.add(
     "local",

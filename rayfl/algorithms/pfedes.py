@@ -201,6 +201,13 @@ class PFedESClient(ModelClient[PFedESParams]):
     of the global proxy received this round (`self.received`). `PFedESClient(ctx, params)`
     returns the client class of `params.variant`."""
 
+    deployed_uses_payload = False  # deploys its local model (the proxy only travels)
+
+    @classmethod
+    def deploys_payload(cls, params: PFedESParams) -> bool:
+        target = VARIANTS[params.variant].client if cls is PFedESClient else cls
+        return target.deployed_uses_payload
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         return _variant_new(PFedESClient, cls, "client", args, kwargs)
 

@@ -75,6 +75,8 @@ def class_kd_loss(
 class PFedESStatsClient(ModelClient["PFedESParams"]):
     """Trains the local model with CE plus distillation from the received class table."""
 
+    deployed_uses_payload = False  # deploys its local model
+
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         c = ctx.num_classes

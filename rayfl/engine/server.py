@@ -20,7 +20,13 @@ from torch import nn
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
 from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import RunSpec, keep_tensor_memory, resolve_device, torch_threads
+from rayfl.engine.spec import (
+    RunSpec,
+    keep_tensor_memory,
+    resolve_device,
+    seed_torch,
+    torch_threads,
+)
 from rayfl.engine.training import ArrayBatches, Step, accuracy, eval_batch_size, fit_tensors
 from rayfl.errors import UserError
 from rayfl.models.base import place
@@ -115,7 +121,7 @@ class ServerRunner:
         keep_tensor_memory()  # for the process it runs in: an actor's or the driver
         self.spec = spec
         self.device = device
-        torch.manual_seed(seed_of(words(Purpose.SERVER, spec.seed)))
+        seed_torch(seed_of(words(Purpose.SERVER, spec.seed)))
         with torch_threads(spec.server_threads):
             self.server = spec.algo.server(spec.server_context(device), spec.params)
         self._sent: dict[str, Payload] = {}
@@ -165,7 +171,7 @@ class ServerRunner:
             metrics.update(privacy_metrics)
         rnd = self.spec.round_context(round_idx)
         metrics.update(self.server.aggregate(valid, rnd))
-        torch.manual_seed(seed_of(words(Purpose.SERVER, self.spec.seed, round_idx)))
+        seed_torch(seed_of(words(Purpose.SERVER, self.spec.seed, round_idx)))
         self.data.generator.manual_seed(seed_of(server_data_words(self.spec.seed, round_idx)))
         metrics.update(self.server.update(self.data, rnd))
         if evaluate:

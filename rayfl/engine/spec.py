@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,6 +113,24 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def seed_torch(seed: int) -> None:
+    """`torch.manual_seed(seed)`, cheaply where the CPU generator is the only one.
+
+    `torch.manual_seed` also queues a seeding of every accelerator backend (CUDA, XPU, MTIA),
+    recording the caller's stack for each: ~0.65 ms a call on a CPU-only machine, a tenth of a
+    small client's evaluation. Without an accelerator only the CPU generator exists, and
+    seeding it alone is what `torch.manual_seed` does to it: the same numbers."""
+    if _has_accelerator():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
+@functools.cache
+def _has_accelerator() -> bool:
+    return torch.accelerator.is_available()
 
 
 def resolve_device(preference: str, gpu_ids: list | None = None) -> torch.device:

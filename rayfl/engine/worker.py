@@ -16,7 +16,7 @@ import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import RunSpec, keep_tensor_memory, torch_threads
+from rayfl.engine.spec import RunSpec, keep_tensor_memory, seed_torch, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.models.base import place
 from rayfl.registry import ALGORITHMS
@@ -49,7 +49,7 @@ class ClientRunner:
     def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
         # builds it; the new instance then serves as this worker's cache for the architecture.
-        torch.manual_seed(seed_of(words(Purpose.INIT, self.spec.seed, client=client_id)))
+        seed_torch(seed_of(words(Purpose.INIT, self.spec.seed, client=client_id)))
         if algorithm is None:
             client = self._algo.client(
                 self.spec.client_context(arch, self.device), self.spec.params
@@ -66,7 +66,7 @@ class ClientRunner:
     def _trainer(self, round_idx: int, cid: int, purpose: Purpose = Purpose.TRAIN) -> LocalTrainer:
         """The client's data with this round's seeded shuffling; also seeds torch's global RNG."""
         seed = seed_of(words(purpose, self.spec.seed, round_idx, cid))
-        torch.manual_seed(seed)
+        seed_torch(seed)
         split = self.federation.clients[cid]
         return LocalTrainer(
             self.federation.dataset,

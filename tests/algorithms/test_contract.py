@@ -143,6 +143,11 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
         assert a == b, where
 
 
+def perturbed(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """`payload` with every array moved by one: another broadcast of the same shape."""
+    return {k: np.asarray(v) + np.ones_like(np.asarray(v)) for k, v in payload.items()}
+
+
 @torch.no_grad()
 def outputs(client: Any, x: torch.Tensor) -> torch.Tensor:
     for m in client.modules():
@@ -172,6 +177,20 @@ def test_contract(name, tmp_path):
             assert_same(state, c.state_dict(), f"{name} client {cid} state")
             c.receive(capture.payloads[arch], RND)
         torch.testing.assert_close(outputs(a, x), outputs(b, x), rtol=0, atol=0)
+
+    # -- a client that declares its deployed model independent of the payload (the deployed
+    # evaluation then keeps its score across broadcasts) deploys the same model whatever it gets
+    if not sim.algo.client.deploys_payload(sim.spec.params):
+        for cid, state in capture.client_states.items():
+            arch = sim.archs[cid]
+            deployed = []
+            for payload in (capture.payloads[arch], perturbed(capture.payloads[arch])):
+                client = fresh_client(sim, arch, 505)
+                client.load_state_dict(state)
+                model = client.deployed_model(payload, RND).eval()
+                with torch.no_grad():
+                    deployed.append(logits_of(model(x)))
+            torch.testing.assert_close(deployed[0], deployed[1], rtol=0, atol=0)
 
     # -- server state: a fresh server loaded with it broadcasts and scores the same
     torch.manual_seed(303)

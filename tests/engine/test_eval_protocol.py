@@ -76,11 +76,9 @@ def test_summarize_scores_only_the_evaluated_rows():
     assert out["eval/clients"] == 2.0 and out["train/loss"] == 2.0
 
 
-def _recording(monkeypatch, fresh_digests: bool):
-    """Record which clients each deployed evaluation scores; `fresh_digests`: every payload
-    looks new, so every client is scored again (what the loop did before it kept scores)."""
-    import itertools
-
+def _recording(monkeypatch, rescore_all: bool):
+    """Record which clients each deployed evaluation scores; `rescore_all`: forget every kept
+    score first, so every client is scored again (what the loop did before it kept scores)."""
     from rayfl.engine.executor import SerialExecutor
 
     scored: list[list[int]] = []
@@ -91,12 +89,32 @@ def _recording(monkeypatch, fresh_digests: bool):
         return evaluate(self, round_idx, client_ids, payloads)
 
     monkeypatch.setattr(SerialExecutor, "evaluate", recording)
-    if fresh_digests:
-        counter = itertools.count()
-        monkeypatch.setattr(
-            SerialExecutor, "payload_digests", lambda self, p: {a: str(next(counter)) for a in p}
-        )
+    if rescore_all:
+        deployed = Simulation._evaluate_deployed
+
+        def forgetting(self, rnd, payloads):
+            self._scores.clear()
+            return deployed(self, rnd, payloads)
+
+        monkeypatch.setattr(Simulation, "_evaluate_deployed", forgetting)
     return scored
+
+
+def _without_times(history, drop=()):
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", *drop)) and k != "eval/rescored"}
+        for r in history
+    ]
+
+
+def _kept_against_everyone(synthetic_raw, monkeypatch, overrides):
+    scored = _recording(monkeypatch, rescore_all=True)
+    _, everyone = simulate(synthetic_raw, overrides)
+    assert all(sorted(s) == list(range(6)) for s in scored)
+    monkeypatch.undo()
+    scored = _recording(monkeypatch, rescore_all=False)
+    sim, kept = simulate(synthetic_raw, overrides)
+    return sim, scored, everyone, kept
 
 
 def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
@@ -105,14 +123,8 @@ def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
     # `local` broadcasts nothing: a client that did not train since its last score deploys the
     # same model, and is not scored again. The rows are those of scoring everyone every round.
     overrides = ["algorithm.name=local", "engine.clients_per_round=2", "engine.rounds=4"]
-    scored = _recording(monkeypatch, fresh_digests=True)
-    _, everyone = simulate(synthetic_raw, overrides)
-    assert all(sorted(s) == list(range(6)) for s in scored)
-    monkeypatch.undo()
-    scored = _recording(monkeypatch, fresh_digests=False)
-    sim, kept = simulate(synthetic_raw, overrides)
-    comparable = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in everyone]
-    assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in kept] == comparable
+    sim, scored, everyone, kept = _kept_against_everyone(synthetic_raw, monkeypatch, overrides)
+    assert _without_times(kept) == _without_times(everyone)
     assert sorted(scored[0]) == list(range(6))  # round 1: nothing scored yet
     from rayfl.engine.sampling import sample_clients
 
@@ -120,10 +132,34 @@ def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
         # only this round's participants are scored again
         assert sorted(clients) == sample_clients(sim.cfg.seed, rnd, 6, 2)
     assert all(row["eval/clients"] == 6.0 for row in kept)
+    assert [row["eval/rescored"] for row in kept] == [6.0, 2.0, 2.0, 2.0]
+
+
+def test_pfedes_keeps_the_local_models_scores_while_its_proxy_changes(synthetic_raw, monkeypatch):
+    # pFedES deploys the local model: the proxy it broadcasts changes every round, yet a client
+    # that did not train keeps its score. personal/* are those of scoring everyone; the proxy's
+    # diagnostics (against this round's broadcast) average over the clients scored this round.
+    overrides = ["engine.clients_per_round=2", "engine.rounds=3"]
+    sim, scored, everyone, kept = _kept_against_everyone(synthetic_raw, monkeypatch, overrides)
+    assert _without_times(kept, drop=("pfedes/",)) == _without_times(everyone, drop=("pfedes/",))
+    assert [len(s) for s in scored] == [6, 2, 2]
+    assert [row["eval/rescored"] for row in kept] == [6.0, 2.0, 2.0]
+    assert kept[0]["pfedes/proxy_acc"] == everyone[0]["pfedes/proxy_acc"]  # all scored: same
+    assert all("pfedes/proxy_acc" in row for row in kept)
 
 
 def test_a_changed_payload_scores_every_client_again(synthetic_raw, monkeypatch):
-    # pFedES broadcasts its proxy, which the round's step changed: every deployed model changed
-    scored = _recording(monkeypatch, fresh_digests=False)
-    simulate(synthetic_raw, ["engine.clients_per_round=2", "engine.rounds=3"])
+    # FedAvg deploys the global model, which the round's step changed: every deployed model changed
+    synthetic_raw["algorithm"] = {"name": "fedavg"}
+    synthetic_raw["model"] = {"architectures": ["tiny_a"]}
+    scored = _recording(monkeypatch, rescore_all=False)
+    _, history = simulate(synthetic_raw, ["engine.clients_per_round=2", "engine.rounds=3"])
     assert [sorted(s) for s in scored] == [list(range(6))] * 3
+    assert [row["eval/rescored"] for row in history] == [6.0] * 3
+
+
+def test_fedproto_deploys_the_payload_only_when_it_predicts_by_prototype():
+    from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams
+
+    assert not FedProtoClient.deploys_payload(FedProtoParams(predict="head"))
+    assert FedProtoClient.deploys_payload(FedProtoParams(predict="prototype"))
