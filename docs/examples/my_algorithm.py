@@ -50,6 +50,10 @@ class DittoClient(ModelClient[DittoParams]):
     """`self.model` (from ModelClient) is the personal model, kept between rounds; the global
     model is a transient copy, replaced by every broadcast."""
 
+    # It deploys the personal model, whatever the broadcast: a client that did not train since
+    # its last score keeps it (the deployed evaluation skips it). Leave it out when unsure.
+    deployed_uses_payload = False
+
     def __init__(self, ctx: ClientContext, params: DittoParams) -> None:
         super().__init__(ctx, params)  # persistent = {"model": the personal model}
         self.global_model = copy.deepcopy(self.model)
