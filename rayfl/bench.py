@@ -50,6 +50,7 @@ import yaml
 from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml, to_dict
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError, UserError
+from rayfl.resources import local_cpus, worker_capacity
 from rayfl.safefile import read_json, write_atomic
 
 FLOOR = "floor"
@@ -119,8 +120,8 @@ def planned_workers(cfg: RunConfig) -> int:
         return 1
     if e.num_workers:
         return e.num_workers
-    cpus = e.ray_num_cpus or os.cpu_count() or 1
-    fit = math.floor((cpus - e.server_resources.num_cpus) / max(e.worker_resources.num_cpus, 1e-9))
+    # CPUs only: the benchmark's floors and variants are sized for this machine's CPUs
+    fit = worker_capacity(e, {"CPU": local_cpus(e), "GPU": math.inf})
     return max(1, min(math.ceil(clients_per_round(cfg) / e.clients_per_call), fit))
 
 
