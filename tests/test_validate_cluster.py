@@ -218,3 +218,30 @@ def test_a_joined_cluster_is_not_judged_by_this_machine(tmp_path, synthetic_raw,
     )
     assert main(["validate", cfg]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_a_resume_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
+    tmp_path, synthetic_raw, capsys, no_gpu
+):
+    from rayfl.config import build_config
+    from rayfl.engine import startup
+    from rayfl.launch import simulate
+
+    raw = copy.deepcopy(synthetic_raw)
+    raw["engine"].update({"checkpoint_every": 1, "rounds": 2})
+    run_dir = tmp_path / "run"
+    simulate(build_config(raw), run_dir, progress=False)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    # placement only: the checkpoint still matches
+    config["engine"].update(executor="ray", worker_resources={"num_cpus": 1, "num_gpus": 0.5})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    starts: list[str] = []
+
+    def refuse(*args: object, **kwargs: object) -> Any:
+        starts.append("ray")
+        raise AssertionError("Ray was started")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(startup, "init_ray", refuse)
+        line = _refused(capsys, ["run", "--resume", str(run_dir), "--no-progress"])
+    assert "this machine has no GPU" in line and not starts
