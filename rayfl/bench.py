@@ -50,6 +50,8 @@ import yaml
 from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml, to_dict
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError, UserError
+from rayfl.resources import local_cpus, worker_capacity
+from rayfl.safefile import read_json, write_atomic
 
 FLOOR = "floor"
 FLOOR_OVERRIDES = ["engine.executor=serial", "engine.num_threads=1", "engine.server_threads=1"]
@@ -118,8 +120,8 @@ def planned_workers(cfg: RunConfig) -> int:
         return 1
     if e.num_workers:
         return e.num_workers
-    cpus = e.ray_num_cpus or os.cpu_count() or 1
-    fit = math.floor((cpus - e.server_resources.num_cpus) / max(e.worker_resources.num_cpus, 1e-9))
+    # CPUs only: the benchmark's floors and variants are sized for this machine's CPUs
+    fit = worker_capacity(e, {"CPU": local_cpus(e), "GPU": math.inf})
     return max(1, min(math.ceil(clients_per_round(cfg) / e.clients_per_call), fit))
 
 
@@ -205,6 +207,32 @@ def folder_bytes(folder: Path) -> float:
     return float(total)
 
 
+def _write_config(cfg: RunConfig, out: Path) -> Path:
+    """`out/bench_config.yaml`, the config a child process loads (written atomically: a
+    symlink planted there is replaced, not written through)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_config.yaml"
+    write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+    return path
+
+
+def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A child's report (`share<k>.json`, `bench.json`) read back from the benchmark folder
+    through rayfl.safefile: a symlink, FIFO, oversized or deeply nested file, or one without
+    `keys`, is refused in one line (the folder may be shared, docs/security.md).
+
+    Raises:
+        UserError: the file is unsafe or not a report a child wrote.
+    """
+    report = read_json(path)
+    if not isinstance(report, dict) or not all(k in report for k in keys):
+        raise UserError(
+            f"{path}: not a report the benchmark's child wrote (it needs {', '.join(keys)}); "
+            "remove the benchmark folder and run again"
+        )
+    return report
+
+
 def run_floor(
     raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: Path
 ) -> dict[str, Any]:
@@ -212,9 +240,7 @@ def run_floor(
     together, each training its share of the run's clients (`floor_shares`); end to end is from
     their start to the last exit."""
     cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "bench_config.yaml"
-    config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    config_path = _write_config(cfg, out)
     reports = [out / f"share{k}.json" for k in range(workers)]
     start = time.perf_counter()
     children = [
@@ -234,7 +260,7 @@ def run_floor(
         if child.returncode != 0:
             tail = "\n".join(output.strip().splitlines()[-15:])
             raise UserError(f"benchmark floor failed (exit {child.returncode}):\n{tail}")
-    shares = [json.loads(path.read_text()) for path in reports]
+    shares = [read_report(path, ("startup_s", "train_s", "trainings")) for path in reports]
     return {
         "rounds": [],
         "floor": True,
@@ -300,15 +326,13 @@ def _floor_main(config_path: str, report_path: str, share: int, workers: int) ->
         executor.fit(rnd, clients, payloads, False)
         train_s += time.perf_counter() - start
     report = {"startup_s": startup_s, "train_s": train_s, "trainings": len(jobs)}
-    Path(report_path).write_text(json.dumps(report))
+    write_atomic(Path(report_path), json.dumps(report).encode())
 
 
 def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[str, Any]:
     """Run one variant in its own process; its wall time, memory and the run's own numbers."""
     cfg = build_config(raw, [*overrides, *RUN_OVERRIDES])
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "bench_config.yaml"
-    config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    config_path = _write_config(cfg, out)
     run_dir = out / "run"
     start = time.perf_counter()
     child = subprocess.Popen(
@@ -323,7 +347,7 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
     if child.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise UserError(f"benchmark variant failed (exit {child.returncode}):\n{tail}")
-    report = json.loads((run_dir / "bench.json").read_text())
+    report = read_report(run_dir / "bench.json", ("rounds", "store_peak_mb", "spilled_mb"))
     report.update(
         wall_s=wall_s,
         workers=planned_workers(cfg),
@@ -351,7 +375,7 @@ def _variant_main(config_path: str, run_dir: str) -> None:
         "spilled_mb": probe.spilled_bytes / 2**20,
         "status": result.status,
     }
-    (Path(run_dir) / "bench.json").write_text(json.dumps(report, default=float))
+    write_atomic(Path(run_dir) / "bench.json", json.dumps(report, default=float).encode())
 
 
 # ----------------------------------------------------------------------------- the report
@@ -492,7 +516,7 @@ def run_bench(
             )
         reps.append(results)
     text = format_report(Path(path).name, bench, median_repetition(reps))
-    (root / "report.txt").write_text(text + "\n")
+    write_atomic(root / "report.txt", (text + "\n").encode())
     return text + f"\n  runs and report: {root}"
 
 

@@ -116,6 +116,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         # an untrusted directory: checked in full before Ray starts (no early start here)
         cfg = resume_config(run_dir, overrides)
+        from rayfl.resources import check_local
+
+        check_local(cfg.engine)  # before Ray starts, as for a new run (rayfl.launch)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
@@ -199,15 +202,42 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "rayfl validate needs at least one file (e.g. experiments/pfedes_fmnist.yaml)"
         )
     overrides = [*positional, *args.overrides]
+    cluster = load_cluster(args.cluster) if args.cluster else None
     for path in files:
-        describe = validate_file(path, overrides)
-        print(f"{path}: ok ({describe})")
+        notes: list[str] = []
+        describe = validate_file(path, overrides, cluster=cluster, notes=notes)
+        fits = f"; fits {args.cluster} at its maximum size" if cluster else ""
+        print(f"{path}: ok ({describe}{fits})")
+        for note in notes:
+            print(f"{path}: warning: {note}")
     return 0
 
 
-def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
+def load_cluster(path: str | Path) -> Any:
+    """The `rayfl.clusterconfig.ClusterSize` of the cluster launcher file `--cluster` names."""
+    from rayfl.clusterconfig import cluster_size, validate_cluster_config
+
+    return cluster_size(validate_cluster_config(path), path)
+
+
+def validate_file(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    cluster: Any = None,
+    notes: list[str] | None = None,
+) -> str:
     """Validate a run, suite, sweep, benchmark or Ray cluster launcher file; return a one-line
-    description."""
+    description.
+
+    Every check that needs no Ray is made, so that `rayfl run` does not stop on one after
+    starting Ray: with `cluster` (a `rayfl.clusterconfig.ClusterSize`, `--cluster FILE`) the
+    runs' workers and server must fit that cluster at its maximum size; without it, a local
+    run (no `engine.address`) that this machine cannot place (a GPU asked of a machine without
+    one) adds a warning to `notes`.
+
+    Raises:
+        UserError: a problem in the file, or runs that can never be placed (one line).
+    """
     from rayfl.config import read_yaml
 
     raw = read_yaml(path)
@@ -215,6 +245,7 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
 
     if is_cluster_file(raw):
         return describe_cluster(validate_cluster_config(path))
+    configs: list[Any]
     if "bench" in raw:
         from rayfl.bench import load_bench
 
@@ -224,17 +255,39 @@ def validate_file(path: str | Path, overrides: Sequence[str] = ()) -> str:
         from rayfl.compare import load_suite
 
         suite = load_suite(path, overrides)
-        return f"suite of {len(suite.runs)} runs"
-    if "sweep" in raw:
+        configs, describe = [r.config for r in suite.runs], f"suite of {len(suite.runs)} runs"
+    elif "sweep" in raw:
         from rayfl.tune import load_sweep
 
         sweep = load_sweep(path, overrides)
-        return f"sweep over {', '.join(sweep.space)}"
-    cfg = load_config(path, overrides)
-    from rayfl.checks import check_family
+        configs, describe = [sweep.config], f"sweep over {', '.join(sweep.space)}"
+    else:
+        cfg = load_config(path, overrides)
+        from rayfl.checks import check_family
 
-    archs = check_family(cfg)
-    return f"{cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, {len(set(archs))} architectures"
+        archs = check_family(cfg)
+        configs = [cfg]
+        describe = (
+            f"{cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
+            f"{len(set(archs))} architectures"
+        )
+    check_placement(configs, cluster, notes)
+    return describe
+
+
+def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | None) -> None:
+    """The resource checks of `validate_file` over each distinct engine section of `configs`."""
+    from rayfl.resources import check_cluster, local_note
+
+    seen: list[Any] = []
+    for cfg in configs:
+        if cfg.engine in seen:
+            continue
+        seen.append(cfg.engine)
+        if cluster is not None:
+            check_cluster(cfg.engine, cluster)
+        elif notes is not None and (note := local_note(cfg.engine)) and note not in notes:
+            notes.append(note)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -311,7 +364,8 @@ EXAMPLES = {
     "validate": """examples:
   rayfl validate experiments/pfedes_fmnist.yaml
   rayfl validate experiments/pfedes_fmnist.yaml engine.rounds=5 algorithm.beta=0
-  rayfl validate experiments/suites/*.yaml experiments/sweeps/*.yaml""",
+  rayfl validate experiments/suites/*.yaml experiments/sweeps/*.yaml
+  rayfl validate experiments/paper/pfedes_cifar10.yaml --cluster cluster.yaml""",
     "ls-runs": """examples:
   rayfl ls-runs                    # every run directory under runs/
   rayfl ls-runs /data/sweeps/x     # another folder; a killed run still marked RUNNING becomes KILLED
@@ -395,6 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="key=value override (same as positional)",
+    )
+    p.add_argument(
+        "--cluster",
+        metavar="CLUSTER_YAML",
+        help="a Ray cluster launcher file (e.g. cluster.yaml): refuse runs whose worker or "
+        "server no node type can hold, or whose engine.num_workers do not fit the cluster at "
+        "its maximum size (without it: a local run this machine cannot place is a warning)",
     )
     _plugin_option(p)
     p.set_defaults(fn=cmd_validate)

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,102 @@ def describe_cluster(config: dict[str, Any]) -> str:
         f"Ray cluster {config.get('cluster_name', '?')!r} on {provider}: head {head}, "
         f"workers {', '.join(workers) or 'none'}"
     )
+
+
+# Ray's default for a launcher file without a top-level `max_workers`.
+RAY_DEFAULT_MAX_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One node type of a cluster file: its declared CPUs and GPUs and how many nodes of it the
+    cluster may have at most (the head: one)."""
+
+    name: str
+    count: int
+    cpus: float
+    gpus: float
+
+
+@dataclass(frozen=True)
+class ClusterSize:
+    """What a cluster launcher file can offer at its maximum size (every worker node type at its
+    `max_workers`, all together at most the file's `max_workers`), for checks that need no Ray.
+
+    A CPU or GPU count a node type's `resources` do not declare (the launcher would look it up
+    in the cloud) is counted as 0 and listed in `undeclared`: rayfl does not guess an
+    instance's size. The head (`head`, one node) is first in `nodes`.
+    """
+
+    path: str
+    head: str
+    nodes: tuple[NodeType, ...]
+    max_workers: int
+    undeclared: tuple[str, ...] = ()
+
+    def total(self) -> dict[str, float]:
+        """CPUs and GPUs of the cluster at its maximum size. With several worker types and a
+        file-wide `max_workers` cap, each resource is counted with the nodes richest in it
+        first: an upper bound (a check that refuses below it never refuses a feasible run)."""
+        total: dict[str, float] = {}
+        for key in ("CPU", "GPU"):
+
+            def amount(node: NodeType, key: str = key) -> float:
+                return node.cpus if key == "CPU" else node.gpus
+
+            value = sum(amount(n) for n in self.nodes if n.name == self.head)
+            room = self.max_workers
+            for n in sorted(
+                (n for n in self.nodes if n.name != self.head), key=lambda n: -amount(n)
+            ):
+                take = min(n.count, room)
+                value += take * amount(n)
+                room -= take
+            total[key] = value
+        return total
+
+    def describe(self) -> str:
+        """`1 x ray.head.cpu (8 CPU, 0 GPU) + 8 x ray.worker.gpu (4 CPU, 1 GPU)`, plus what
+        was counted as 0 for lack of a declaration."""
+        parts = [f"{n.count} x {n.name} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in self.nodes]
+        text = " + ".join(parts)
+        if self.undeclared:
+            text += (
+                "; counted as 0 since its resources do not declare them: "
+                f"{', '.join(self.undeclared)}"
+            )
+        return text
+
+
+def cluster_size(config: Mapping[str, Any], path: str | Path) -> ClusterSize:
+    """The node types of a validated cluster file (see :func:`validate_cluster_config`): the
+    head first (one node), then each worker type at its `max_workers` (at most the file's).
+
+    Raises:
+        ConfigError: the file relies on the provider's default node types
+            (no `available_node_types`), whose sizes are unknown offline.
+    """
+    node_types = config.get("available_node_types")
+    if not node_types:
+        raise ConfigError(
+            f"cluster config {path}: has no available_node_types, so its node sizes are unknown "
+            "offline; define the head and worker node types with their resources"
+        )
+    cap = config.get("max_workers", RAY_DEFAULT_MAX_WORKERS)
+    head = config["head_node_type"]
+    nodes: list[NodeType] = []
+    undeclared: list[str] = []
+    for name in [head, *(n for n in node_types if n != head)]:
+        spec = node_types[name] or {}
+        resources = spec.get("resources") or {}
+        missing = [key for key in ("CPU", "GPU") if key not in resources]
+        if missing:  # the launcher would look them up in the cloud: rayfl does not guess
+            undeclared.append(f"{'/'.join(missing)} of {name}")
+        count = 1 if name == head else min(int(spec.get("max_workers", cap)), cap)
+        nodes.append(
+            NodeType(name, count, float(resources.get("CPU", 0)), float(resources.get("GPU", 0)))
+        )
+    return ClusterSize(str(path), head, tuple(nodes), int(cap), tuple(undeclared))
 
 
 def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:

@@ -238,6 +238,7 @@ def _dotted(cfg: Any, key: str) -> Any:
 def check(cfg: RunConfig) -> None:
     """Cross-field checks that need no data: ranges and registry names."""
     from rayfl.registry import DATASETS, PARTITIONERS
+    from rayfl.resources import check_ray_num_cpus
 
     d, e = cfg.data, cfg.engine
     if d.dataset not in DATASETS:
@@ -279,6 +280,7 @@ def check(cfg: RunConfig) -> None:
         "driver runs the server in the driver's process, which reserves nothing; set "
         "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
     )
+    check_ray_num_cpus(e)  # a private Ray too small for one worker fails only after its start
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),

@@ -44,8 +44,12 @@ def load_for_run(
     if preview is not None:
         from rayfl.engine.early import EarlyRay
         from rayfl.engine.startup import StartupClock, spill_dir
+        from rayfl.resources import check_local
 
         engine, per_round = preview
+        # refused here, before Ray starts: a GPU asked of a machine without one would
+        # otherwise stop the run only once Ray is up (rayfl.resources)
+        check_local(engine)
         spill = None if run_dir is None else spill_dir(run_dir)
         early = EarlyRay(engine, per_round, StartupClock(), imported=False, spill_dir=spill)
     try:

@@ -13,7 +13,12 @@ import ray
 import yaml
 
 from rayfl import clusterconfig
-from rayfl.clusterconfig import json_path, ray_schema_path, validate_cluster_config
+from rayfl.clusterconfig import (
+    cluster_size,
+    json_path,
+    ray_schema_path,
+    validate_cluster_config,
+)
 from rayfl.errors import ConfigError
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
@@ -81,16 +86,6 @@ def test_shipped_cluster_yaml_is_hardened(shipped) -> None:
     assert "ray dashboard cluster.yaml" in text and "ray attach cluster.yaml -p 5000" in text
 
 
-def _full_cluster(shipped) -> dict[str, float]:
-    """The resources of the cluster scaled out to every node type's max_workers (head: 1)."""
-    total: dict[str, float] = {}
-    for name, node in shipped["available_node_types"].items():
-        count = 1 if name == shipped.get("head_node_type", HEAD) else node["max_workers"]
-        for key, value in node["resources"].items():
-            total[key] = total.get(key, 0.0) + count * value
-    return total
-
-
 @pytest.mark.parametrize(
     "experiment",
     sorted(
@@ -107,7 +102,9 @@ def test_the_shipped_ray_experiments_fit_the_shipped_cluster(
     from rayfl.engine import pool
 
     cfg = load_config(CLUSTER_YAML.parent / experiment)
-    monkeypatch.setattr(pool.ray, "cluster_resources", lambda: _full_cluster(shipped))
+    # the cluster scaled out to every node type's max_workers (head: 1)
+    full = cluster_size(shipped, CLUSTER_YAML).total()
+    monkeypatch.setattr(pool.ray, "cluster_resources", lambda: full)
     workers = pool.plan_workers(cfg.engine, clients_per_round(cfg))
     wanted = cfg.engine.num_workers or -(-clients_per_round(cfg) // cfg.engine.clients_per_call)
     assert workers == wanted, f"{experiment}: {workers} workers fit, {wanted} wanted"

@@ -19,6 +19,7 @@ import ray
 
 from rayfl.config import EngineConfig
 from rayfl.errors import UserError
+from rayfl.resources import check_fits, worker_capacity
 
 if TYPE_CHECKING:
     from rayfl.algorithms.base import Payload
@@ -132,21 +133,6 @@ def start_workers(e: EngineConfig, per_round: int) -> WorkerPool:
     return WorkerPool(num_workers, cls, [cls.remote() for _ in range(num_workers)])
 
 
-def _capacity(e: EngineConfig, total: dict[str, float]) -> int:
-    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
-    not even the server fits)."""
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    w, s = e.worker_resources, e.server_resources
-    if s.num_cpus > cpus or s.num_gpus > gpus:
-        return 0
-    fits = []
-    if w.num_cpus > 0:
-        fits.append(math.floor((cpus - s.num_cpus) / w.num_cpus + 1e-9))
-    if w.num_gpus > 0:
-        fits.append(math.floor((gpus - s.num_gpus) / w.num_gpus + 1e-9))
-    return max(0, min(fits))
-
-
 def _bundle(res: Any) -> dict[str, float]:
     return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
 
@@ -160,7 +146,7 @@ def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> 
 
     required = e.num_workers or 1
     total = ray.cluster_resources()
-    if _capacity(e, total) >= required:
+    if worker_capacity(e, total) >= required:
         return total
     wanted = max(required, math.ceil(per_round / e.clients_per_call))
     bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
@@ -183,7 +169,7 @@ def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> 
     while time.monotonic() - start < e.wait_for_resources_s:
         time.sleep(min(poll_s, max(0.0, e.wait_for_resources_s - (time.monotonic() - start))))
         total = ray.cluster_resources()
-        if _capacity(e, total) >= required:
+        if worker_capacity(e, total) >= required:
             log.warning(
                 "resources arrived after %.0f s: %g CPU / %g GPU",
                 time.monotonic() - start,
@@ -209,24 +195,6 @@ def plan_workers(e: EngineConfig, per_round: int) -> int:
         total = wait_for_resources(e, per_round)
     else:
         total = ray.cluster_resources()
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    w, s = e.worker_resources, e.server_resources
-    if s.num_cpus > cpus or s.num_gpus > gpus:
-        raise UserError(
-            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but the cluster has "
-            f"{cpus:g} CPU / {gpus:g} GPU; lower engine.server_resources"
-        )
-    capacity = _capacity(e, total)
-    if capacity < 1:
-        raise UserError(
-            f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker but the cluster "
-            f"has {cpus:g} CPU / {gpus:g} GPU (server takes {s.num_cpus:g} / {s.num_gpus:g}); lower "
-            "engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
-        )
+    capacity = check_fits(e, total)
     wanted = e.num_workers or math.ceil(per_round / e.clients_per_call)
-    if e.num_workers and e.num_workers > capacity:
-        raise UserError(
-            f"engine.num_workers={e.num_workers} workers need more than the cluster has "
-            f"(room for {capacity}); lower engine.num_workers or engine.worker_resources"
-        )
     return max(1, min(wanted, capacity))

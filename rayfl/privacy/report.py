@@ -10,22 +10,40 @@ table. Reads run directories' `summary.json` (what every run writes), so it need
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from rayfl.engine.rundir import read_summary
+from rayfl.errors import UserError
+from rayfl.safefile import real_dir
 
 ACC = "personal/acc"
 EPS = "privacy/epsilon"
 
 
 def read_run(run_dir: Path) -> dict[str, Any] | None:
-    """`{noise, alpha, clip, variant, acc, epsilon, rounds}` of a finished run, or None."""
-    path = run_dir / "summary.json"
-    if not path.exists():
+    """`{noise, alpha, clip, variant, acc, epsilon, rounds}` of a finished run, or None.
+
+    Raises:
+        UserError: `summary.json` is a symlink, FIFO, oversized, too deeply nested or malformed
+            (a run directory is untrusted input, docs/security.md).
+    """
+    summary = read_summary(run_dir)  # {} when there is none (an unfinished trial)
+    if not summary:
         return None
-    summary = json.loads(path.read_text())
+    try:
+        return _row(run_dir, summary)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise UserError(
+            f"{run_dir / 'summary.json'}: not a summary rayfl wrote (a key is missing or of the "
+            "wrong type); restore it or leave the run out"
+        ) from None
+
+
+def _row(run_dir: Path, summary: Any) -> dict[str, Any]:
     cfg, final = summary["config"], summary["final"]
     dp = cfg.get("privacy", {}).get("dp", {})
     return {
@@ -140,7 +158,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ref", action="append", default=[], help="label=run_dir (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="the plot (PNG)")
     args = parser.parse_args(argv)
-    trials = [r for d in sorted(args.trials.iterdir()) if (r := read_run(d)) is not None]
+    try:
+        return _report(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # noqa: T201 (one line, no traceback)
+        return 2
+
+
+def _report(args: argparse.Namespace) -> int:
+    # a trial folder that is a symlink is refused, not followed (docs/security.md); stray
+    # files beside the trials are skipped
+    folders = [
+        real_dir(d, inside=args.trials)
+        for d in sorted(args.trials.iterdir())
+        if d.is_symlink() or d.is_dir()
+    ]
+    trials = [r for d in folders if (r := read_run(d)) is not None]
     refs: dict[str, dict[str, Any]] = {}
     for item in args.ref:
         label, _, path = item.rpartition("=")  # labels may hold "=", run paths rarely do

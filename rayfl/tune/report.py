@@ -13,6 +13,7 @@ import yaml
 from rayfl.config import (
     to_dict,
 )
+from rayfl.safefile import write_atomic
 from rayfl.tables import write_table
 from rayfl.tune.sweep import Sweep, _native
 
@@ -97,7 +98,8 @@ def write_best_config(result: SweepResult) -> Path:
         f"# Base experiment {sweep.base} with the sweep's overrides and these values.\n"
         f"#   rayfl run {path}\n"
     )
-    path.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    # atomic: a symlink planted in the sweep folder is replaced, not written through
+    write_atomic(path, (header + yaml.safe_dump(to_dict(cfg), sort_keys=False)).encode())
     return path
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from rayfl.errors import UserError
+from rayfl.safefile import is_file, read_json, write_atomic
 from rayfl.tune.report import (
     SweepResult,
     _best,
@@ -127,10 +128,11 @@ def sweep_and_report(
 
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
+    state = read_state(out_dir)  # before Ray starts: a planted sweep.json costs no start-up
     e = sweep.config.engine
     started = init_ray(e.address, e.ray_num_cpus)
     try:
-        result = _run(sweep, out_dir, strict_fit=started and not e.address)
+        result = _run(sweep, out_dir, state, strict_fit=started and not e.address)
     finally:
         if started:
             ray.shutdown()
@@ -143,7 +145,27 @@ def tune_storage(t: TuneSettings, out: Path) -> str:
     return t.storage or str(out / "tune")
 
 
-def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
+def read_state(out: Path) -> dict[str, Any]:
+    """`out/sweep.json` (the fingerprint and MLflow parent run of an earlier start), {} when
+    there is none. Read through rayfl.safefile: the sweep folder is untrusted input
+    (docs/security.md).
+
+    Raises:
+        UserError: it is a symlink, FIFO, oversized, too deeply nested or not a JSON object.
+    """
+    path = out / "sweep.json"
+    if not is_file(path):
+        return {}
+    state = read_json(path)
+    if not isinstance(state, dict) or not isinstance(state.get("parent_run_id"), str | None):
+        raise UserError(
+            f"{path}: not the state rayfl writes for a sweep; remove it (or the folder) "
+            "or choose another --out"
+        )
+    return state
+
+
+def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> SweepResult:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
@@ -153,7 +175,6 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
     restoring = tune.Tuner.can_restore(str(exp_dir))
-    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
     if restoring and not t.resume:
         raise UserError(
             f"{exp_dir} already holds sweep {sweep.name}; pass tune.resume=true to continue it or choose another --out"
@@ -174,8 +195,8 @@ def _run(sweep: Sweep, out: Path, strict_fit: bool) -> SweepResult:
         # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
         parent = ParentRun(sweep, uri, state.get("parent_run_id") if restoring else None)
     state = {"fingerprint": fingerprint, "parent_run_id": parent.run_id if parent else None}
-    state_path.write_text(json.dumps(state, indent=2))
-    (out / "sweep.yaml").write_text(yaml.safe_dump(fingerprint, sort_keys=False))
+    write_atomic(state_path, json.dumps(state, indent=2).encode())
+    write_atomic(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
 
     root = sweep.config.data.root
     job = TrialJob(

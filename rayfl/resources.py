@@ -1,0 +1,175 @@
+"""Whether a run's workers and server fit the CPUs and GPUs they would be placed on, without Ray.
+
+One set of rules and messages serves every place that asks: the engine once Ray is up
+(`rayfl.engine.pool.plan_workers`, on `ray.cluster_resources()`), `rayfl validate` and the
+config check (on `engine.ray_num_cpus`, on a cluster launcher file at its maximum size with
+`--cluster`), and `rayfl run` before it starts a private Ray (on this machine's CPUs and GPUs):
+a run that cannot be placed is refused in one line before Ray starts, not after.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from rayfl.errors import UserError
+
+if TYPE_CHECKING:
+    from rayfl.clusterconfig import ClusterSize
+    from rayfl.config import EngineConfig
+
+LOWER_WORKERS = "lower engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
+GPU_CLUSTER = (
+    "run it on a GPU cluster (engine.address=...; check the config against the cluster with "
+    "`rayfl validate CONFIG --cluster cluster.yaml`) or set the num_gpus to 0"
+)
+
+
+def worker_capacity(e: EngineConfig, total: Mapping[str, float]) -> int:
+    """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
+    not even the server fits). A resource given as infinite is not counted (a check of CPUs
+    alone)."""
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        return 0
+    fits = []
+    for asked, have, reserved in ((w.num_cpus, cpus, s.num_cpus), (w.num_gpus, gpus, s.num_gpus)):
+        if asked > 0 and math.isfinite(have):
+            fits.append(math.floor((have - reserved) / asked + 1e-9))
+    return max(0, min(fits, default=sys.maxsize))
+
+
+def check_fits(
+    e: EngineConfig,
+    total: Mapping[str, float],
+    where: str = "the cluster",
+    fix: str = LOWER_WORKERS,
+) -> int:
+    """How many workers fit `total` (the CPUs and GPUs of `where`) after the server's share.
+
+    Raises:
+        UserError: the server does not fit, not one worker fits, or the pinned
+            `engine.num_workers` do not all fit (one line naming `where` and the fix).
+    """
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    w, s = e.worker_resources, e.server_resources
+    has = f"{where} has {cpus:g} CPU" + (f" / {gpus:g} GPU" if math.isfinite(gpus) else "")
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        raise UserError(
+            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but {has}; "
+            f"lower engine.server_resources{' or ' + fix if s.num_gpus > gpus else ''}"
+        )
+    capacity = worker_capacity(e, total)
+    if capacity < 1:
+        raise UserError(
+            f"engine.worker_resources asks for {w.num_cpus} CPU / {w.num_gpus} GPU per worker "
+            f"but {has} (server takes {s.num_cpus:g} / {s.num_gpus:g}); {fix}"
+        )
+    if e.num_workers and e.num_workers > capacity:
+        raise UserError(
+            f"engine.num_workers={e.num_workers} workers need more than {has} (room for "
+            f"{capacity}); lower engine.num_workers or engine.worker_resources"
+        )
+    return capacity
+
+
+def check_ray_num_cpus(e: EngineConfig) -> None:
+    """A private Ray of `engine.ray_num_cpus` CPUs must host the server's reservation and one
+    worker (all `engine.num_workers` when pinned): checked with the config, before Ray starts.
+    GPUs are not judged here (they depend on the machine: see :func:`check_local`)."""
+    if e.executor != "ray" or e.address or e.ray_num_cpus is None:
+        return
+    check_fits(
+        e,
+        {"CPU": float(e.ray_num_cpus), "GPU": math.inf},
+        where=f"engine.ray_num_cpus={e.ray_num_cpus} (the private Ray's CPUs)",
+        fix="raise engine.ray_num_cpus or lower engine.worker_resources.num_cpus",
+    )
+
+
+def local_gpus() -> int:
+    """GPUs this machine shows a private Ray (CUDA devices that `CUDA_VISIBLE_DEVICES` admits).
+
+    Without an NVIDIA driver (no /proc/driver/nvidia, no /dev/nvidia0) there is none, known
+    without importing torch; else torch counts them (~3 s of import before Ray starts, paid
+    only by a local run that asks for GPUs, and saved later by the config check)."""
+    if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def local_cpus(e: EngineConfig) -> float:
+    """The CPUs of a private Ray of this run: `engine.ray_num_cpus`, else the machine's."""
+    return float(e.ray_num_cpus or os.cpu_count() or 1)
+
+
+def local_resources(e: EngineConfig) -> dict[str, float]:
+    """The CPUs and GPUs a private Ray of this run would have: `engine.ray_num_cpus` (else the
+    machine's CPUs) and the machine's GPUs (counted only when the run asks for any)."""
+    asks_gpu = e.worker_resources.num_gpus > 0 or e.server_resources.num_gpus > 0
+    return {
+        "CPU": local_cpus(e),
+        "GPU": float(local_gpus()) if asks_gpu else 0.0,
+    }
+
+
+def check_local(e: EngineConfig) -> None:
+    """`rayfl run` before it starts a private Ray (no `engine.address`): the run's server and
+    workers must fit this machine, e.g. no GPU asked of a machine without one.
+
+    Raises:
+        UserError: they do not (one line; see :func:`check_fits`).
+    """
+    if e.executor != "ray" or e.address:
+        return
+    total = local_resources(e)
+    w, s = e.worker_resources, e.server_resources
+    if total["GPU"] == 0 and (w.num_gpus > 0 or s.num_gpus > 0):
+        raise UserError(
+            f"engine.worker_resources / server_resources ask for {w.num_gpus:g} / {s.num_gpus:g} "
+            f"GPU but this machine has no GPU; {GPU_CLUSTER}"
+        )
+    check_fits(e, total, where="this machine")
+
+
+def local_note(e: EngineConfig) -> str:
+    """What `rayfl validate` says about a local run that this machine cannot place (a GPU asked
+    of a machine without one): a warning, since the same config may be meant for a cluster;
+    `rayfl run` refuses it before starting Ray. Empty when it fits."""
+    try:
+        check_local(e)
+    except UserError as exc:
+        return f"a local run would be refused: {exc}"
+    return ""
+
+
+def check_cluster(e: EngineConfig, cluster: ClusterSize) -> None:
+    """A run on the cluster of a launcher file (`rayfl validate --cluster FILE`): its server and
+    one worker must each fit some node type (an actor never spans nodes), and the server plus
+    the pinned `engine.num_workers` must fit the cluster at its maximum size.
+
+    Raises:
+        UserError: one line naming the request, the cluster's nodes and the fix.
+    """
+    if e.executor != "ray":
+        return
+    nodes = f"{cluster.path} ({cluster.describe()})"
+    for key, res, actor in (
+        ("worker_resources", e.worker_resources, "worker"),
+        ("server_resources", e.server_resources, "server"),
+    ):
+        if res.num_cpus == 0 and res.num_gpus == 0:
+            continue
+        if not any(res.num_cpus <= n.cpus and res.num_gpus <= n.gpus for n in cluster.nodes):
+            raise UserError(
+                f"engine.{key} asks for {res.num_cpus:g} CPU / {res.num_gpus:g} GPU per {actor} "
+                f"but no node type of {nodes} has that much, so it can never be placed; lower "
+                f"engine.{key} or add a node type large enough to the cluster file"
+            )
+    check_fits(e, cluster.total(), where=f"{nodes} at its maximum size")
