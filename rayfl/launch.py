@@ -110,8 +110,9 @@ def _simulate_locked(
     early: Any,
 ) -> Any:
     from rayfl.config import clients_per_round
-    from rayfl.engine.early import EarlyRay
+    from rayfl.engine.early import EarlyRay, ray_running
     from rayfl.engine.startup import StartupClock, spill_dir
+    from rayfl.resources import check_local
 
     # Ray starts first, in a thread, while this thread imports the engine (torch) and loads data.
     per_round = clients_per_round(cfg)
@@ -119,6 +120,8 @@ def _simulate_locked(
         early.cancel()  # not from the CLI: same file and overrides, same settings
         early = None
     if early is None and cfg.engine.executor == "ray":
+        if not ray_running():  # a private Ray: refused before it starts, as by `rayfl run`
+            check_local(cfg.engine)
         early = EarlyRay(
             cfg.engine, per_round, StartupClock(), imported=False, spill_dir=spill_dir(run_dir)
         )

@@ -245,3 +245,18 @@ def test_a_resume_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
         patch.setattr(startup, "init_ray", refuse)
         line = _refused(capsys, ["run", "--resume", str(run_dir), "--no-progress"])
     assert "this machine has no GPU" in line and not starts
+
+
+def test_the_python_api_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
+    tmp_path, synthetic_raw, monkeypatch, no_ray, no_gpu
+):
+    import ray
+
+    import rayfl
+
+    # a process without a Ray of its own (the test session's may be up): the run would start one
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    cfg = _config(tmp_path, synthetic_raw, worker_resources={"num_cpus": 1, "num_gpus": 1})
+    with pytest.raises(rayfl.UserError, match="this machine has no GPU"):
+        rayfl.run(cfg, out=str(tmp_path / "run"))
+    assert not no_ray

@@ -68,8 +68,7 @@ class EarlyRay:
         # thread `init_ray` puts the caller's back, from a thread it cannot: `finish` does.
         main = threading.current_thread() is threading.main_thread()
         self._sigterm = signal.getsignal(signal.SIGTERM) if main else None
-        ray = sys.modules.get("ray")  # not imported: certainly not running
-        self._thread_started = not (ray is not None and ray.is_initialized())
+        self._thread_started = not ray_running()
         if not self._thread_started:  # nothing slow to hide (tests, Tune trials): this thread
             self.imported.set()  # no second thread imports: nothing to wait for
             self._launch()
@@ -146,6 +145,12 @@ class EarlyRay:
         self._wait_launched()
         if self.error is None and self.executor is not None:
             self.executor.close()
+
+
+def ray_running() -> bool:
+    """Whether this process is connected to a Ray already (a run then joins it, and starts none)."""
+    ray = sys.modules.get("ray")  # not imported: certainly not running
+    return ray is not None and bool(ray.is_initialized())
 
 
 def _register_fork_hooks_first() -> None:
