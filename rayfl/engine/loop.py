@@ -331,22 +331,19 @@ class Simulation:
             server_metrics, handle = ex.server_step(rnd, replies, evaluate), None
         server_s = time.perf_counter() - server_start
         eval_rows: list[ClientMetrics] | None = None
-        rescored = 0
         eval_start = time.perf_counter()
         for fitted in client_rows:  # their states were replaced: their last scores are stale
             self._scores.pop(fitted["client"], None)
         if evaluate and deployed:
             # the broadcast after round rnd's server step: what every client would act on now
             _, new_payloads = ex.broadcast(rnd, sorted(set(self.archs)))
-            eval_rows, rescored = self._evaluate_deployed(rnd, new_payloads)
+            eval_rows = self._evaluate_deployed(rnd, new_payloads, client_rows)
         eval_s = time.perf_counter() - eval_start
         bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
         row.update(summarize_clients(client_rows, eval_rows))
-        if eval_rows is not None:
-            row["eval/rescored"] = float(rescored)
         row.update(server_metrics)
         if rnd == self.start_round:
             row.update(self.clock.metrics())
@@ -364,20 +361,22 @@ class Simulation:
         return row
 
     def _evaluate_deployed(
-        self, rnd: int, payloads: dict[str, Any]
-    ) -> tuple[list[ClientMetrics], int]:
-        """Every registered client's score of its deployed model given `payloads`, and how many
-        were scored now (the others kept their last score).
+        self, rnd: int, payloads: dict[str, Any], fitted: list[ClientMetrics]
+    ) -> list[ClientMetrics]:
+        """Every registered client's score of its deployed model given `payloads`.
 
         A client that has not trained since its last score (same state) keeps that score when
         its deployed model cannot have changed either: its algorithm deploys the client's own
         model (`Client.deployed_uses_payload` False), or its architecture's payload is the same
         as then. The same deployed model on the same test split, scored without randomness,
-        gives the same numbers (tested). A kept row keeps the model's score (`acc`, `num_test`,
-        `baseline_acc`), not the algorithm's diagnostics computed against an older payload
-        (e.g. `pfedes/proxy_acc`): those average over the clients scored this round. This
-        relies on `Client.deployed_model` depending on the state and the payload, not on the
-        round."""
+        gives the same numbers (tested). This relies on `Client.deployed_model` depending on the
+        state and the payload, not on the round.
+
+        Where the payload does not matter to the model, the algorithm's diagnostics against it
+        (e.g. `pfedes/proxy_acc`) are kept only for the round's participants (`fitted`): a kept
+        score holds none for this payload, and which clients were scored anew depends on what
+        this process scored before (a resumed run scores everyone once), which the numbers must
+        not."""
         assert self.executor is not None
         uses_payload = self.spec.algo.client.deploys_payload(self.spec.params)
         if uses_payload:
@@ -388,10 +387,14 @@ class Simulation:
         known = {row["client"] for row in kept}
         todo = [c for c in range(self.cfg.data.num_clients) if c not in known]
         fresh = self.executor.evaluate(rnd, todo, payloads) if todo else []
+        log.info("round %d: %d clients scored, %d kept their score", rnd, len(fresh), len(kept))
+        participants = {row["client"] for row in fitted}
+        rows = list(kept)
         for row in fresh:
-            keep = row if uses_payload else {k: v for k, v in row.items() if k in SCORE_KEYS}
-            self._scores[row["client"]] = (digests[row["arch"]], keep)
-        return [*kept, *fresh], len(fresh)
+            score = row if uses_payload else {k: v for k, v in row.items() if k in SCORE_KEYS}
+            self._scores[row["client"]] = (digests[row["arch"]], score)
+            rows.append(row if row["client"] in participants else score)
+        return rows
 
     def _finish_pending(self) -> bool:
         """Complete the waiting round's row with its server evaluation, record it and run the

@@ -108,6 +108,17 @@ def test_every_client_stays_in_the_checkpoint_and_unchanged_files_are_linked(
     assert len(list(tmp_path.glob("checkpoint.r*"))) == 1
 
 
+def test_a_resumed_partial_run_evaluates_with_the_uninterrupted_numbers(synthetic_raw, tmp_path):
+    # 2 of 6 clients per round, pFedES, deployed evaluation: the uninterrupted run keeps the
+    # scores of clients that did not train; the resumed one has none kept and scores everyone
+    # once. Every metric must agree anyway (the proxy diagnostics included).
+    partial = ["engine.clients_per_round=2"]
+    whole = run(synthetic_raw, tmp_path / "whole", 4, overrides=partial)
+    run(synthetic_raw, tmp_path / "cut", 2, overrides=partial)
+    resumed = run(synthetic_raw, tmp_path / "cut", 4, resume=True, overrides=partial)
+    assert comparable(resumed) == comparable(whole)
+
+
 @pytest.mark.parametrize("crash_at", [1, 8, 9])
 def test_a_crash_inside_a_checkpoint_write_keeps_the_previous_one(
     synthetic_raw, tmp_path, monkeypatch, crash_at

@@ -92,19 +92,16 @@ def _recording(monkeypatch, rescore_all: bool):
     if rescore_all:
         deployed = Simulation._evaluate_deployed
 
-        def forgetting(self, rnd, payloads):
+        def forgetting(self, *args):
             self._scores.clear()
-            return deployed(self, rnd, payloads)
+            return deployed(self, *args)
 
         monkeypatch.setattr(Simulation, "_evaluate_deployed", forgetting)
     return scored
 
 
-def _without_times(history, drop=()):
-    return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", *drop)) and k != "eval/rescored"}
-        for r in history
-    ]
+def _without_times(history):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in history]
 
 
 def _kept_against_everyone(synthetic_raw, monkeypatch, overrides):
@@ -132,20 +129,31 @@ def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
         # only this round's participants are scored again
         assert sorted(clients) == sample_clients(sim.cfg.seed, rnd, 6, 2)
     assert all(row["eval/clients"] == 6.0 for row in kept)
-    assert [row["eval/rescored"] for row in kept] == [6.0, 2.0, 2.0, 2.0]
 
 
 def test_pfedes_keeps_the_local_models_scores_while_its_proxy_changes(synthetic_raw, monkeypatch):
     # pFedES deploys the local model: the proxy it broadcasts changes every round, yet a client
-    # that did not train keeps its score. personal/* are those of scoring everyone; the proxy's
-    # diagnostics (against this round's broadcast) average over the clients scored this round.
+    # that did not train keeps its score. Every metric is that of scoring everyone every round:
+    # the proxy's diagnostics (against this round's broadcast) average over the participants.
     overrides = ["engine.clients_per_round=2", "engine.rounds=3"]
     sim, scored, everyone, kept = _kept_against_everyone(synthetic_raw, monkeypatch, overrides)
-    assert _without_times(kept, drop=("pfedes/",)) == _without_times(everyone, drop=("pfedes/",))
+    assert _without_times(kept) == _without_times(everyone)
     assert [len(s) for s in scored] == [6, 2, 2]
-    assert [row["eval/rescored"] for row in kept] == [6.0, 2.0, 2.0]
-    assert kept[0]["pfedes/proxy_acc"] == everyone[0]["pfedes/proxy_acc"]  # all scored: same
     assert all("pfedes/proxy_acc" in row for row in kept)
+
+
+def test_pfedes_diagnostics_average_over_the_participants(synthetic_raw):
+    sim, history = simulate(synthetic_raw, ["engine.clients_per_round=2", "engine.rounds=1"])
+    runner = sim.executor.runner  # serial executor: the in-process runner
+    _, payloads = sim.executor.broadcast(1, sorted(set(sim.archs)))
+    want = summarize_clients(
+        [],
+        runner.evaluate(
+            1, sim.last_clients, payloads, [sim.executor.states.get(c) for c in sim.last_clients]
+        ),
+    )
+    assert history[-1]["pfedes/proxy_acc"] == want["pfedes/proxy_acc"]
+    assert history[-1]["pfedes/kl_local_proxy"] == want["pfedes/kl_local_proxy"]
 
 
 def test_a_changed_payload_scores_every_client_again(synthetic_raw, monkeypatch):
@@ -155,7 +163,6 @@ def test_a_changed_payload_scores_every_client_again(synthetic_raw, monkeypatch)
     scored = _recording(monkeypatch, rescore_all=False)
     _, history = simulate(synthetic_raw, ["engine.clients_per_round=2", "engine.rounds=3"])
     assert [sorted(s) for s in scored] == [list(range(6))] * 3
-    assert [row["eval/rescored"] for row in history] == [6.0] * 3
 
 
 def test_fedproto_deploys_the_payload_only_when_it_predicts_by_prototype():
