@@ -224,7 +224,13 @@ def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     Raises:
         UserError: the file is unsafe or not a report a child wrote.
     """
-    report = read_json(path)
+    try:
+        report = read_json(path)
+    except FileNotFoundError:
+        raise UserError(
+            f"{path}: the benchmark's child exited without writing its report; run the "
+            "variant's config with `rayfl run` to see why"
+        ) from None
     if not isinstance(report, dict) or not all(k in report for k in keys):
         raise UserError(
             f"{path}: not a report the benchmark's child wrote (it needs {', '.join(keys)}); "

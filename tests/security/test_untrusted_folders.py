@@ -156,6 +156,17 @@ def test_bench_refuses_an_unsafe_variant_report_in_one_line(
     assert victim.read_bytes() == VICTIM
 
 
+def test_bench_says_in_one_line_when_a_variant_wrote_no_report(
+    tmp_path, synthetic_raw, no_children
+):
+    out = tmp_path / "variant"
+    (out / "run").mkdir(parents=True)  # the child exited 0 but wrote no bench.json
+    with pytest.raises(UserError) as info:
+        bench.run_variant(synthetic_raw, [], out)
+    line = _one_line(str(info.value))
+    assert "bench.json" in line and "without writing its report" in line
+
+
 def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
     tmp_path, victim, synthetic_raw, no_children
 ):
