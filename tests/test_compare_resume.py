@@ -8,21 +8,10 @@ import pytest
 
 import rayfl.launch
 from rayfl.compare import SuiteInterrupted, run_suite
-from rayfl.engine.callbacks import Callback
+from tests.interrupts import InterruptAfterRound
 from tests.test_compare import write_suite
 
 NAMES = ["local-s0", "local-s1", "proto-s0", "proto-s1"]
-
-
-class InterruptAfterRound(Callback):
-    """Ctrl-C at the end of round `at` (after the checkpoint callback wrote that round)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_round_end(self, sim, round_idx, metrics):
-        if round_idx == self.at:
-            raise KeyboardInterrupt
 
 
 def suite_runs(uri):

@@ -7,9 +7,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from rayfl.engine.callbacks import Callback
 from rayfl.tracking.mlflow import MlflowTracker
 from tests.conftest import SYNTHETIC
+from tests.interrupts import InterruptAfterRound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,18 +100,6 @@ def test_mark_killed_only_touches_running_runs(tmp_path):
     assert client.get_run(done.run_id).info.status == "FINISHED"
 
 
-class _KillAfterCheckpoint(Callback):
-    """Stands for SIGKILL between the checkpoint of round `at` and its tracker callback: the
-    callbacks after this one (the tracker) never see that round."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_round_end(self, sim, round_idx, metrics):
-        if round_idx == self.at:
-            raise KeyboardInterrupt
-
-
 def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
     import pytest
     from mlflow import MlflowClient
@@ -124,7 +112,7 @@ def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
     out = tmp_path / "run"
     cfg = build_config(SYNTHETIC, [*track, "engine.rounds=4", "engine.checkpoint_every=1"])
     with pytest.raises(KeyboardInterrupt):
-        simulate(cfg, out, progress=False, extra_callbacks=[_KillAfterCheckpoint(at=2)])
+        simulate(cfg, out, progress=False, extra_callbacks=[InterruptAfterRound(at=2)])
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("relog").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "personal/acc")]
