@@ -115,8 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "--resume takes the run directory's own config.yaml; pass only key=value overrides"
             )
         # an untrusted directory: checked in full before Ray starts (no early start here)
-        # a GPU asked of a machine without one: refused by launch.simulate before Ray starts
         cfg = resume_config(run_dir, overrides)
+        from rayfl.resources import check_local
+
+        check_local(cfg.engine)  # before Ray starts, as for a new run (rayfl.launch)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
