@@ -16,50 +16,47 @@ and the proportional memory (PSS) of every process it started (Ray's daemons and
 sampled; inside the run, a callback samples the shared memory in use (Ray's object store lives
 there) and the bytes spilled to disk (the run's spill folder).
 
-The compute floor of a variant with W workers: W single-thread processes without Ray, started
-together, that share the run's client trainings (every sampled client of every round, split
-longest first so each process gets the same work) and do nothing else: no server step, no
-evaluation. Its end-to-end time is from their start to the last one's exit, imports and data
-loading included: what W perfectly busy workers on this machine need for the training alone,
-with the same contention for the cores that the variant's W workers meet. Every variant's
-end-to-end time is printed as a ratio to the floor of its worker count. Nothing here asserts
-speed: it measures and prints.
+The compute floor and the Ray floor a variant is compared with: `rayfl.bench_floors`. Nothing
+here asserts speed: it measures and prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-import yaml
-
-from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml, to_dict
+from rayfl.bench_floors import (
+    FLOOR,
+    RAY_FLOOR,
+    RUN_OVERRIDES,
+    TreeMemory,
+    check_child,
+    floor_label,
+    floor_main,
+    folder_bytes,
+    ray_floor_label,
+    ray_floor_main,
+    read_report,
+    run_floor,
+    run_ray_floor,
+    write_config,
+)
+from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml
 from rayfl.engine.callbacks import Callback
+from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
 from rayfl.resources import local_cpus, worker_capacity
-from rayfl.safefile import read_json, write_atomic
-
-FLOOR = "floor"
-FLOOR_OVERRIDES = ["engine.executor=serial", "engine.num_threads=1", "engine.server_threads=1"]
-RUN_OVERRIDES = ["tracking.backend=none", "engine.checkpoint_every=0"]
-
-
-def floor_label(workers: int) -> str:
-    return f"{FLOOR}-{workers}w"
+from rayfl.safefile import write_atomic
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,7 @@ class Bench:
     warmup_rounds: int
     floor: bool = True
     overrides: tuple[str, ...] = ()
+    ray_floor: bool = False
 
     def floors(self) -> list[int]:
         """The worker counts whose compute floor the variants are compared with."""
@@ -89,18 +87,22 @@ def load_bench(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise ConfigError(
             f"{path}: a benchmark needs bench.variants (label -> list of key=value overrides)"
         )
-    unknown = set(section) - {"variants", "warmup_rounds", "floor"}
+    keys = ("variants", "warmup_rounds", "floor", "ray_floor")
+    unknown = set(section) - set(keys)
     if unknown:
-        raise ConfigError(
-            f"unknown key bench.{sorted(unknown)[0]}; valid keys: variants, warmup_rounds, floor"
-        )
+        raise ConfigError(f"unknown key bench.{sorted(unknown)[0]}; valid keys: {', '.join(keys)}")
     variants = {str(k): [*map(str, v or []), *overrides] for k, v in section["variants"].items()}
-    if any(k == FLOOR or k.startswith(f"{FLOOR}-") for k in variants):
-        raise ConfigError(f"bench.variants: {FLOOR!r} is reserved for the compute floor")
+    for reserved in (FLOOR, RAY_FLOOR):
+        if any(k == reserved or k.startswith(f"{reserved}-") for k in variants):
+            raise ConfigError(f"bench.variants: {reserved!r} is reserved for the floors")
     for extra in variants.values():
         build_config(raw, extra)  # every variant must be a valid run
     floor = bool(section.get("floor", True))
-    return Bench(raw, variants, int(section.get("warmup_rounds", 1)), floor, tuple(overrides))
+    ray_floor = bool(section.get("ray_floor", False))
+    if ray_floor and not floor:
+        raise ConfigError("bench.ray_floor needs bench.floor: the Ray floor is compared with it")
+    warmup = int(section.get("warmup_rounds", 1))
+    return Bench(raw, variants, warmup, floor, tuple(overrides), ray_floor)
 
 
 def only(bench: Bench, labels: list[str]) -> Bench:
@@ -126,49 +128,6 @@ def planned_workers(cfg: RunConfig) -> int:
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-@dataclass
-class TreeMemory:
-    """Peak memory of a process and of everything it started (sampled in a thread)."""
-
-    pid: int
-    # 1 s: each sample reads every process's smaps (~2.3 ms for a torch process), CPU the
-    # measured run loses; a Ray run has ~7 processes against a floor's 2
-    interval_s: float = 1.0
-    driver_peak: int = 0
-    others_peak: int = 0  # summed PSS of the descendants (Ray's daemons and workers)
-    total_peak: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def sample(self) -> None:
-        try:
-            root = psutil.Process(self.pid)
-            driver = root.memory_info().rss
-            others = 0
-            for child in root.children(recursive=True):
-                try:
-                    others += child.memory_full_info().pss
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-        except psutil.NoSuchProcess:
-            return
-        self.driver_peak = max(self.driver_peak, driver)
-        self.others_peak = max(self.others_peak, others)
-        self.total_peak = max(self.total_peak, driver + others)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> TreeMemory:
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class StoreProbe(Callback):
@@ -197,148 +156,10 @@ def shared_memory_used(path: str = "/dev/shm") -> float:
     return float(usage.used)
 
 
-def folder_bytes(folder: Path) -> float:
-    """Bytes of the regular files under `folder` (0 when it does not exist)."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return float(total)
-
-
-def _write_config(cfg: RunConfig, out: Path) -> Path:
-    """`out/bench_config.yaml`, the config a child process loads (written atomically: a
-    symlink planted there is replaced, not written through)."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench_config.yaml"
-    write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
-    return path
-
-
-def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    """A child's report (`share<k>.json`, `bench.json`) read back from the benchmark folder
-    through rayfl.safefile: a symlink, FIFO, oversized or deeply nested file, or one without
-    `keys`, is refused in one line (the folder may be shared, docs/security.md).
-
-    Raises:
-        UserError: the file is unsafe or not a report a child wrote.
-    """
-    try:
-        report = read_json(path)
-    except FileNotFoundError:
-        raise UserError(
-            f"{path}: the benchmark's child exited without writing its report; run the "
-            "variant's config with `rayfl run` to see why"
-        ) from None
-    if not isinstance(report, dict) or not all(k in report for k in keys):
-        raise UserError(
-            f"{path}: not a report the benchmark's child wrote (it needs {', '.join(keys)}); "
-            "remove the benchmark folder and run again"
-        )
-    return report
-
-
-def run_floor(
-    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: Path
-) -> dict[str, Any]:
-    """The compute floor of `workers` workers: that many single-thread processes, started
-    together, each training its share of the run's clients (`floor_shares`); end to end is from
-    their start to the last exit."""
-    cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
-    config_path = _write_config(cfg, out)
-    reports = [out / f"share{k}.json" for k in range(workers)]
-    start = time.perf_counter()
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "rayfl.bench", "--floor", str(config_path), str(path)]
-            + [str(k), str(workers)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k, path in enumerate(reports)
-    ]
-    with TreeMemory(os.getpid()) as mem:  # the floor's processes are this one's children
-        outputs = [child.communicate()[0] for child in children]
-    wall_s = time.perf_counter() - start
-    for child, output in zip(children, outputs):
-        if child.returncode != 0:
-            tail = "\n".join(output.strip().splitlines()[-15:])
-            raise UserError(f"benchmark floor failed (exit {child.returncode}):\n{tail}")
-    shares = [read_report(path, ("startup_s", "train_s", "trainings")) for path in reports]
-    return {
-        "rounds": [],
-        "floor": True,
-        "wall_s": wall_s,
-        "workers": workers,
-        "clients": cfg.data.num_clients,
-        "per_round": clients_per_round(cfg),
-        "startup_s": max(x["startup_s"] for x in shares),
-        "in_run_s": max(x["train_s"] for x in shares),
-        "train_s": sum(x["train_s"] for x in shares),
-        "trainings": sum(x["trainings"] for x in shares),
-        "driver_peak_mb": float("nan"),
-        "ray_peak_mb": float("nan"),
-        "total_peak_mb": mem.others_peak / 2**20,
-        "store_peak_mb": 0.0,
-        "spilled_mb": 0.0,
-    }
-
-
-def floor_shares(
-    cfg: RunConfig, train_sizes: list[int], workers: int
-) -> list[list[tuple[int, int]]]:
-    """The run's client trainings, (round, client) for every sampled client of every round,
-    split over `workers` so that each gets the same number of samples to train (largest first,
-    each to the least loaded)."""
-    from rayfl.engine.sampling import sample_clients
-
-    per_round = clients_per_round(cfg)
-    jobs = [
-        (rnd, c)
-        for rnd in range(1, cfg.engine.rounds + 1)
-        for c in sample_clients(cfg.seed, rnd, cfg.data.num_clients, per_round, cfg.engine.sampling)
-    ]
-    jobs.sort(key=lambda j: (-train_sizes[j[1]], j))
-    shares: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for job in jobs:
-        k = min(range(workers), key=lambda i: (load[i], i))
-        shares[k].append(job)
-        load[k] += train_sizes[job[1]]
-    return [sorted(share) for share in shares]
-
-
-def _floor_main(config_path: str, report_path: str, share: int, workers: int) -> None:
-    """One process of the floor: load the data as a run does, then train this share's clients
-    with the serial executor, the same code a worker runs; nothing else."""
-    from rayfl.config import load_config
-    from rayfl.engine.executor import SerialExecutor
-    from rayfl.engine.loop import Simulation
-    from rayfl.engine.startup import StartupClock
-
-    clock = StartupClock()
-    cfg = load_config(config_path)
-    sim = Simulation(cfg, Path(report_path).parent)
-    executor = SerialExecutor(sim.spec, sim.federation)
-    jobs = floor_shares(cfg, [len(c.train) for c in sim.federation.clients], workers)[share]
-    startup_s = clock.since_start()
-    train_s = 0.0
-    for rnd in sorted({r for r, _ in jobs}):
-        clients = [c for r, c in jobs if r == rnd]
-        _, payloads = executor.broadcast(rnd, sorted({sim.archs[c] for c in clients}))
-        start = time.perf_counter()
-        executor.fit(rnd, clients, payloads, False)
-        train_s += time.perf_counter() - start
-    report = {"startup_s": startup_s, "train_s": train_s, "trainings": len(jobs)}
-    write_atomic(Path(report_path), json.dumps(report).encode())
-
-
 def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[str, Any]:
     """Run one variant in its own process; its wall time, memory and the run's own numbers."""
     cfg = build_config(raw, [*overrides, *RUN_OVERRIDES])
-    config_path = _write_config(cfg, out)
+    config_path = write_config(cfg, out)
     run_dir = out / "run"
     start = time.perf_counter()
     child = subprocess.Popen(
@@ -350,9 +171,7 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
     with TreeMemory(child.pid) as mem:
         output, _ = child.communicate()
     wall_s = time.perf_counter() - start
-    if child.returncode != 0:
-        tail = "\n".join(output.strip().splitlines()[-15:])
-        raise UserError(f"benchmark variant failed (exit {child.returncode}):\n{tail}")
+    check_child(child.returncode, output, "variant")
     report = read_report(run_dir / "bench.json", ("rounds", "store_peak_mb", "spilled_mb"))
     report.update(
         wall_s=wall_s,
@@ -367,7 +186,6 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
 
 def _variant_main(config_path: str, run_dir: str) -> None:
     """The child: `rayfl run` of the config, plus the object-store probe; writes bench.json."""
-    from rayfl.engine.startup import spill_dir
     from rayfl.launch import load_for_run, simulate
 
     # as `rayfl run --out run_dir` does: Ray starts before the check, spilling under run_dir
@@ -465,6 +283,14 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
             "alternating: each row is the median repetition's; x floor = median of the paired ratios"
         )
         lines += repeated
+    for label, r in results.items():  # what rayfl adds to stock Ray's own cost
+        ray_ratios = r.get("ray_ratios") or []
+        if ray_ratios:
+            each = " ".join(f"{x:.2f}" for x in ray_ratios)
+            lines.append(
+                f"  {label}: x {ray_floor_label(r['workers'])} per repetition {each} "
+                f"(median {statistics.median(ray_ratios):.2f})"
+            )
     lines.append(
         "  e2e = wall time of the variant's process (imports, Ray start, data, actors, rounds, exit); "
         "startup = process start to first round; no-eval = s/round of the steady rounds without "
@@ -475,7 +301,10 @@ def format_report(name: str, bench: Bench, results: dict[str, dict[str, Any]]) -
         "server s = server step per round; up MB = uploads per round; "
         f"{floor_label(0).replace('0', 'W')} = the compute floor of W workers: W single-thread "
         "processes without Ray, started together, sharing the run's client trainings and nothing "
-        "else (e2e: their start to the last exit; in-run: the longest share's training); floor s "
+        "else (e2e: their start to the last exit; in-run: the longest share's training); "
+        f"{ray_floor_label(0).replace('0', 'W')} = the same shares in W Ray actors of the "
+        "variant's worker resources, from a driver that starts and stops a private Ray as a run "
+        "does (what stock Ray costs before rayfl does anything); floor s "
         "= the e2e of the floor with this variant's workers; x floor = e2e / floor s; ray MB = "
         "summed PSS of the processes the run started (Ray daemons, workers), peak; total = driver "
         "+ ray (a floor: its processes); store = shared memory (/dev/shm, Ray's object store) in "
@@ -508,9 +337,13 @@ def run_bench(
         results: dict[str, dict[str, Any]] = {}
         runs: list[tuple[str, list[str] | None, int]]
         runs = [(floor_label(w), None, w) for w in bench.floors()]
+        if bench.ray_floor:
+            runs += [(ray_floor_label(w), None, w) for w in bench.floors()]
         runs += [(label, extra, 0) for label, extra in bench.variants.items()]
         for label, extra, workers in runs:
-            if extra is None:
+            if label.startswith(f"{RAY_FLOOR}-"):
+                report = run_ray_floor(bench.base, bench.overrides, workers, where / label)
+            elif extra is None:
                 report = run_floor(bench.base, bench.overrides, workers, where / label)
             else:
                 report = run_variant(bench.base, extra, where / label)
@@ -529,16 +362,21 @@ def run_bench(
 def median_repetition(reps: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each label's result at its median end-to-end time (the lower one of an even count), with
     `ratios`: its end to end / its floor's, repetition by repetition (same repetition: run
-    minutes apart, not tens of minutes)."""
+    minutes apart, not tens of minutes), and for a variant `ray_ratios`, the same against the
+    Ray floor of its worker count (when measured)."""
     combined: dict[str, dict[str, Any]] = {}
     for label in reps[0]:
         runs = sorted((rep[label] for rep in reps), key=lambda r: r["wall_s"])
-        ratios = []
+        ratios, ray_ratios = [], []
         for rep in reps:
-            floor = rep.get(floor_label(rep[label]["workers"]))
+            workers = rep[label]["workers"]
+            floor = rep.get(floor_label(workers))
             if floor and floor["wall_s"] > 0:
                 ratios.append(rep[label]["wall_s"] / floor["wall_s"])
-        combined[label] = {**runs[(len(runs) - 1) // 2], "ratios": ratios}
+            ray_floor = rep.get(ray_floor_label(workers))
+            if ray_floor and ray_floor["wall_s"] > 0 and not rep[label].get("floor"):
+                ray_ratios.append(rep[label]["wall_s"] / ray_floor["wall_s"])
+        combined[label] = {**runs[(len(runs) - 1) // 2], "ratios": ratios, "ray_ratios": ray_ratios}
     return combined
 
 
@@ -547,12 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     child = parser.add_mutually_exclusive_group(required=True)
     child.add_argument("--variant", nargs=2, metavar=("CONFIG", "RUN_DIR"))
     child.add_argument("--floor", nargs=4, metavar=("CONFIG", "REPORT", "SHARE", "WORKERS"))
+    child.add_argument("--ray-floor", nargs=3, metavar=("CONFIG", "OUT", "WORKERS"))
     args = parser.parse_args(argv)
     if args.variant:
         _variant_main(*args.variant)
+    elif args.ray_floor:
+        config, out, workers = args.ray_floor
+        ray_floor_main(config, out, int(workers))
     else:
         config, report, share, workers = args.floor
-        _floor_main(config, report, int(share), int(workers))
+        floor_main(config, report, int(share), int(workers))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import yaml
@@ -11,7 +12,6 @@ from rayfl.bench import (
     FLOOR,
     Bench,
     floor_label,
-    floor_shares,
     format_report,
     load_bench,
     median_repetition,
@@ -19,6 +19,7 @@ from rayfl.bench import (
     run_bench,
     summarize,
 )
+from rayfl.bench_floors import floor_shares, ray_floor_label
 from rayfl.config import build_config
 from rayfl.engine.sampling import sample_clients
 from rayfl.errors import ConfigError, UserError
@@ -58,6 +59,11 @@ def test_overrides_win_and_each_worker_count_gets_its_floor(tmp_path):
         load_bench(bench_file(tmp_path, {"variants": {FLOOR: []}}))
     with pytest.raises(ConfigError, match="reserved"):
         load_bench(bench_file(tmp_path, {"variants": {floor_label(2): []}}))
+    with pytest.raises(ConfigError, match="reserved"):
+        load_bench(bench_file(tmp_path, {"variants": {ray_floor_label(2): []}}))
+    with pytest.raises(ConfigError, match="bench.ray_floor needs bench.floor"):
+        load_bench(bench_file(tmp_path, {"variants": {"a": []}, "floor": False, "ray_floor": True}))
+    assert load_bench(bench_file(tmp_path, {"variants": {"a": []}, "ray_floor": True})).ray_floor
 
 
 def test_floor_shares_hold_every_training_once_with_equal_work():
@@ -206,6 +212,46 @@ def test_repetitions_pair_each_variant_with_its_own_floor_golden():
     assert line.split()[-1] == "1.15"  # median of 1.20, 1.15, 1.145
     assert "ray: x floor per repetition 1.20 1.15 1.15 (median 1.15)" in text
     assert median_repetition(reps[:2])["ray"]["wall_s"] == 60.0
+
+
+def test_each_variant_is_also_paired_with_the_ray_floor_golden():
+    # rayfloor: the floor's work in Ray actors; a variant's ratio to it is what rayfl adds
+    reps = [
+        {
+            floor_label(2): floor_report(50.0, 90.0, 2),
+            ray_floor_label(2): floor_report(54.0, 92.0, 2),
+            "ray": report(60.0, 90.0, 2, [9.0, 5.0]),
+        },
+        {
+            floor_label(2): floor_report(80.0, 140.0, 2),
+            ray_floor_label(2): floor_report(88.0, 150.0, 2),
+            "ray": report(92.0, 140.0, 2, [9.0, 5.0]),
+        },
+    ]
+    combined = median_repetition(reps)
+    assert combined["ray"]["ray_ratios"] == pytest.approx([60.0 / 54.0, 92.0 / 88.0])
+    assert combined[ray_floor_label(2)]["ratios"] == pytest.approx([1.08, 1.1])
+    assert combined[ray_floor_label(2)]["ray_ratios"] == []  # a floor is not paired with itself
+    text = format_report("x.yaml", Bench({}, {}, 1), combined)
+    assert "ray: x rayfloor-2w per repetition 1.11 1.05 (median 1.08)" in text
+    row = next(x for x in text.splitlines() if x.strip().startswith(ray_floor_label(2)))
+    assert row.split()[-1] == "1.09"  # the Ray floor's own ratio to the compute floor
+
+
+def test_the_ray_floor_trains_the_floors_shares_in_ray_actors(tmp_path):
+    # one private Ray in a child process (started and shut down there), as a run's
+    section = {"warmup_rounds": 0, "ray_floor": True, "variants": {"serial": []}}
+    out = tmp_path / "out"
+    text = run_bench(bench_file(tmp_path, section), ["data.num_clients=3"], out=out)
+    row = next(x.split() for x in text.splitlines() if x.strip().startswith(ray_floor_label(1)))
+    floor = next(x.split() for x in text.splitlines() if x.strip().startswith(floor_label(1)))
+    # same trainings as the floor's; the driver and Ray's processes measured
+    assert row[1:4] == floor[1:4] == ["3", "3", "1"]
+    assert float(row[4]) > 0 and float(row[5]) > 0  # e2e, start-up
+    assert float(row[-7]) > 0 and float(row[-6]) > 0  # driver MB, ray MB
+    shares = json.loads((out / ray_floor_label(1) / "rayfloor.json").read_text())["shares"]
+    assert [s["trainings"] for s in shares] == [3]  # 1 round, 3 clients, 1 share
+    assert "serial: x rayfloor-1w per repetition" in text
 
 
 def test_repeat_must_be_positive(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfl import bench, cli
+from rayfl import bench, bench_floors, cli
 from rayfl.errors import UserError
 from rayfl.privacy import report as privacy_report
 from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
@@ -123,9 +123,9 @@ class _FinishedChild:
 
 @pytest.fixture
 def no_children(monkeypatch):
-    monkeypatch.setattr(
-        bench, "subprocess", types.SimpleNamespace(Popen=_FinishedChild, PIPE=-1, STDOUT=-2)
-    )
+    fake = types.SimpleNamespace(Popen=_FinishedChild, PIPE=-1, STDOUT=-2)
+    monkeypatch.setattr(bench, "subprocess", fake)
+    monkeypatch.setattr(bench_floors, "subprocess", fake)
 
 
 @pytest.mark.parametrize("kind", PLANTS)
@@ -139,6 +139,20 @@ def test_bench_refuses_an_unsafe_floor_share_in_one_line(
         bench.run_floor(synthetic_raw, (), 1, out)
     line = _one_line(str(info.value))
     assert "share0.json" in line and PROBLEM[kind] in line
+    assert victim.read_bytes() == VICTIM
+
+
+@pytest.mark.parametrize("kind", PLANTS)
+def test_bench_refuses_an_unsafe_ray_floor_report_in_one_line(
+    kind, tmp_path, victim, synthetic_raw, no_children
+):
+    out = tmp_path / "rayfloor"
+    out.mkdir()
+    PLANTS[kind](out / "rayfloor.json", victim)
+    with pytest.raises(UserError) as info:
+        bench_floors.run_ray_floor(synthetic_raw, (), 1, out)
+    line = _one_line(str(info.value))
+    assert "rayfloor.json" in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
 
 
