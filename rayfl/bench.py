@@ -27,10 +27,8 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,14 +37,13 @@ from rayfl.bench_floors import (
     FLOOR,
     RAY_FLOOR,
     RUN_OVERRIDES,
-    TreeMemory,
-    check_child,
     floor_label,
     floor_main,
     folder_bytes,
     ray_floor_label,
     ray_floor_main,
     read_report,
+    run_child,
     run_floor,
     run_ray_floor,
     write_config,
@@ -161,17 +158,7 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
     cfg = build_config(raw, [*overrides, *RUN_OVERRIDES])
     config_path = write_config(cfg, out)
     run_dir = out / "run"
-    start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "rayfl.bench", "--variant", str(config_path), str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    with TreeMemory(child.pid) as mem:
-        output, _ = child.communicate()
-    wall_s = time.perf_counter() - start
-    check_child(child.returncode, output, "variant")
+    wall_s, mem = run_child(["--variant", str(config_path), str(run_dir)], "variant")
     report = read_report(run_dir / "bench.json", ("rounds", "store_peak_mb", "spilled_mb"))
     report.update(
         wall_s=wall_s,

@@ -177,18 +177,7 @@ def run_ray_floor(
     actors, in one driver process, end to end from its start to its exit."""
     cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
     config_path = write_config(cfg, out)
-    start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "rayfl.bench", "--ray-floor", str(config_path), str(out)]
-        + [str(workers)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    with TreeMemory(child.pid) as mem:
-        output, _ = child.communicate()
-    wall_s = time.perf_counter() - start
-    check_child(child.returncode, output, "Ray floor")
+    wall_s, mem = run_child(["--ray-floor", str(config_path), str(out), str(workers)], "Ray floor")
     shares = read_report(out / "rayfloor.json", ("shares",))["shares"]
     if not isinstance(shares, list) or len(shares) != workers:
         raise UserError(f"{out / 'rayfloor.json'}: not a report the Ray floor wrote")
@@ -202,6 +191,27 @@ def run_ray_floor(
 
 
 SHARE_KEYS = ("startup_s", "train_s", "trainings")
+
+
+def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
+    """`python -m rayfl.bench *args` (a variant or the Ray floor) to its exit, the memory of its
+    process tree sampled meanwhile; returns its wall time and that memory.
+
+    Raises:
+        UserError: it failed (with the last lines of its output).
+    """
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "rayfl.bench", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    with TreeMemory(child.pid) as mem:
+        output, _ = child.communicate()
+    wall_s = time.perf_counter() - start
+    check_child(child.returncode, output, what)
+    return wall_s, mem
 
 
 def check_child(returncode: int, output: str, what: str) -> None:

@@ -124,35 +124,28 @@ class _FinishedChild:
 @pytest.fixture
 def no_children(monkeypatch):
     fake = types.SimpleNamespace(Popen=_FinishedChild, PIPE=-1, STDOUT=-2)
-    monkeypatch.setattr(bench, "subprocess", fake)
-    monkeypatch.setattr(bench_floors, "subprocess", fake)
+    monkeypatch.setattr(bench_floors, "subprocess", fake)  # every child `rayfl bench` starts
 
 
+FLOOR_REPORTS = {  # a floor's runner, and the report its children write
+    "floor": (bench_floors.run_floor, "share0.json"),
+    "rayfloor": (bench_floors.run_ray_floor, "rayfloor.json"),
+}
+
+
+@pytest.mark.parametrize("floor", FLOOR_REPORTS)
 @pytest.mark.parametrize("kind", PLANTS)
-def test_bench_refuses_an_unsafe_floor_share_in_one_line(
-    kind, tmp_path, victim, synthetic_raw, no_children
+def test_bench_refuses_an_unsafe_floor_report_in_one_line(
+    kind, floor, tmp_path, victim, synthetic_raw, no_children
 ):
-    out = tmp_path / "floor"
+    run, name = FLOOR_REPORTS[floor]
+    out = tmp_path / floor
     out.mkdir()
-    PLANTS[kind](out / "share0.json", victim)
+    PLANTS[kind](out / name, victim)
     with pytest.raises(UserError) as info:
-        bench.run_floor(synthetic_raw, (), 1, out)
+        run(synthetic_raw, (), 1, out)
     line = _one_line(str(info.value))
-    assert "share0.json" in line and PROBLEM[kind] in line
-    assert victim.read_bytes() == VICTIM
-
-
-@pytest.mark.parametrize("kind", PLANTS)
-def test_bench_refuses_an_unsafe_ray_floor_report_in_one_line(
-    kind, tmp_path, victim, synthetic_raw, no_children
-):
-    out = tmp_path / "rayfloor"
-    out.mkdir()
-    PLANTS[kind](out / "rayfloor.json", victim)
-    with pytest.raises(UserError) as info:
-        bench_floors.run_ray_floor(synthetic_raw, (), 1, out)
-    line = _one_line(str(info.value))
-    assert "rayfloor.json" in line and PROBLEM[kind] in line
+    assert name in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
 
 
