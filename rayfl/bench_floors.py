@@ -44,6 +44,7 @@ FLOOR = "floor"
 RAY_FLOOR = "rayfloor"
 FLOOR_OVERRIDES = ["engine.executor=serial", "engine.num_threads=1", "engine.server_threads=1"]
 RUN_OVERRIDES = ["tracking.backend=none", "engine.checkpoint_every=0"]
+SHARE_KEYS = ("startup_s", "train_s", "trainings")  # a floor share's report (`train_share`)
 
 
 def floor_label(workers: int) -> str:
@@ -166,7 +167,7 @@ def run_floor(
         check_child(child.returncode, output, "floor")
     shares = [read_report(path, SHARE_KEYS) for path in reports]
     return _floor_report(
-        cfg, workers, wall_s, shares, memory_mb=(math.nan, math.nan, mem.others_peak)
+        cfg, workers, wall_s, shares, memory_bytes=(math.nan, math.nan, mem.others_peak)
     )
 
 
@@ -185,12 +186,9 @@ def run_ray_floor(
         if not isinstance(share, dict) or not all(k in share for k in SHARE_KEYS):
             raise UserError(f"{out / 'rayfloor.json'}: not a report the Ray floor wrote")
     peaks = (mem.driver_peak, mem.others_peak, mem.total_peak)
-    report = _floor_report(cfg, workers, wall_s, shares, memory_mb=peaks)
+    report = _floor_report(cfg, workers, wall_s, shares, memory_bytes=peaks)
     report["spilled_mb"] = folder_bytes(Path(cfg.engine.spill_dir or spill_dir(out))) / 2**20
     return report
-
-
-SHARE_KEYS = ("startup_s", "train_s", "trainings")
 
 
 def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
@@ -225,11 +223,11 @@ def _floor_report(
     workers: int,
     wall_s: float,
     shares: list[dict[str, Any]],
-    memory_mb: tuple[float, float, float],
+    memory_bytes: tuple[float, float, float],
 ) -> dict[str, Any]:
-    """A floor's row from its shares' reports; `memory_mb`: driver, others and total peak bytes
-    (nan: none)."""
-    driver, others, total = memory_mb
+    """A floor's row from its shares' reports; `memory_bytes`: the peaks of the driver, of the
+    processes it started and of both (nan: none)."""
+    driver, others, total = memory_bytes
     return {
         "rounds": [],
         "floor": True,
