@@ -29,7 +29,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -322,18 +324,8 @@ def run_bench(
         where = root if repeat == 1 else root / f"rep{k}"
         tag = "" if repeat == 1 else f" (repetition {k} of {repeat})"
         results: dict[str, dict[str, Any]] = {}
-        runs: list[tuple[str, list[str] | None, int]]
-        runs = [(floor_label(w), None, w) for w in bench.floors()]
-        if bench.ray_floor:
-            runs += [(ray_floor_label(w), None, w) for w in bench.floors()]
-        runs += [(label, extra, 0) for label, extra in bench.variants.items()]
-        for label, extra, workers in runs:
-            if label.startswith(f"{RAY_FLOOR}-"):
-                report = run_ray_floor(bench.base, bench.overrides, workers, where / label)
-            elif extra is None:
-                report = run_floor(bench.base, bench.overrides, workers, where / label)
-            else:
-                report = run_variant(bench.base, extra, where / label)
+        for label, run in _runs(bench):
+            report = run(where / label)
             results[label] = summarize(report, bench.warmup_rounds)
             print(
                 f"  ... {label}: {report['wall_s']:.1f} s end to end{tag}",
@@ -344,6 +336,21 @@ def run_bench(
     text = format_report(Path(path).name, bench, median_repetition(reps))
     write_atomic(root / "report.txt", (text + "\n").encode())
     return text + f"\n  runs and report: {root}"
+
+
+def _runs(bench: Bench) -> list[tuple[str, Callable[[Path], dict[str, Any]]]]:
+    """What one repetition runs, in order: the floors, the Ray floors, the variants; each as
+    its label and the call that runs it into a folder."""
+    base, overrides = bench.base, bench.overrides
+    runs: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+        (floor_label(w), partial(run_floor, base, overrides, w)) for w in bench.floors()
+    ]
+    if bench.ray_floor:
+        runs += [
+            (ray_floor_label(w), partial(run_ray_floor, base, overrides, w)) for w in bench.floors()
+        ]
+    runs += [(label, partial(run_variant, base, extra)) for label, extra in bench.variants.items()]
+    return runs
 
 
 def median_repetition(reps: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -186,9 +186,9 @@ def run_ray_floor(
         if not isinstance(share, dict) or not all(k in share for k in SHARE_KEYS):
             raise UserError(f"{out / 'rayfloor.json'}: not a report the Ray floor wrote")
     peaks = (mem.driver_peak, mem.others_peak, mem.total_peak)
-    report = _floor_report(cfg, workers, wall_s, shares, memory_bytes=peaks)
-    report["spilled_mb"] = folder_bytes(Path(cfg.engine.spill_dir or spill_dir(out))) / 2**20
-    return report
+    # nothing to spill: the shares put no objects (their reports are a few bytes), and the
+    # spill folder, read after Ray's shutdown, could not show what it held anyway
+    return _floor_report(cfg, workers, wall_s, shares, memory_bytes=peaks)
 
 
 def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
