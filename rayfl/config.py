@@ -27,7 +27,7 @@ from rayfl.config_checks import (  # noqa: F401 (RANGES, Range, clients_per_roun
     non_negative,
     per_round,
 )
-from rayfl.errors import ConfigError, suggest
+from rayfl.errors import ConfigError, require, suggest
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,10 @@ class EngineConfig:
     # trial reserves its workers up front in its placement group, so there None means one.
     num_workers: int | None = None
     worker_resources: Resources = field(default_factory=Resources)
+    # A worker pool per architecture: e.g. {resnet18_w10: {num_cpus: 2, num_gpus: 0.5}}; the
+    # clients of an architecture named here train on workers with that reservation, the others
+    # on `worker_resources` workers. Same numbers as one pool (torch threads: `num_threads`).
+    resources_by_arch: dict[str, Resources] = field(default_factory=dict)
     # The server runs between the workers' phases, so by default it reserves no CPU of its own.
     server_resources: Resources = field(default_factory=lambda: Resources(num_cpus=0.0))
     # Where the Ray executor runs the server half: `driver` (in this process, like the serial
@@ -132,6 +136,93 @@ class EngineConfig:
     max_retries: int = 2  # re-runs of a client batch whose worker died (and of a server step)
     checkpoint_every: int = 1  # rounds between checkpoints in the run directory (0: never)
     startup_timeout_s: float = 300.0  # how long workers and the server may take to start
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One kind of device (`rayfl.engine.devices`)."""
+
+    name: str = "default"
+    speed: float = 1.0  # relative compute speed: 1.0 runs devices.reference_gflops GFLOP/s
+    availability: float = 1.0  # probability that a sampled device is available in a round
+    trace: tuple[int, ...] = ()  # per-round availability (1/0), repeated; replaces availability
+    dropout: float = 0.0  # probability that an available device drops out mid-training
+    bandwidth_mbps: float | None = None  # link for the payload down and up (None: free)
+
+    def __post_init__(self) -> None:
+        where = f"devices.tiers[{self.name}]"
+        require(self.speed > 0, f"{where}.speed", f"must be > 0 (got {self.speed})")
+        for key in ("availability", "dropout"):
+            value = getattr(self, key)
+            require(0 <= value <= 1, f"{where}.{key}", f"must be in [0, 1] (got {value})")
+        require(
+            all(v in (0, 1) for v in self.trace),
+            f"{where}.trace",
+            f"must list 1 (available) or 0 per round (got {list(self.trace)})",
+        )
+        bw = self.bandwidth_mbps
+        require(bw is None or bw > 0, f"{where}.bandwidth_mbps", f"must be > 0 or null (got {bw})")
+
+
+@dataclass(frozen=True)
+class DevicesConfig:
+    """Simulated devices and a virtual clock (`rayfl.engine.devices`); off without tiers."""
+
+    tiers: tuple[TierConfig, ...] = ()
+    by_arch: dict[str, str] = field(default_factory=dict)  # architecture -> tier name
+    proportions: tuple[float, ...] = ()  # else: clients drawn into the tiers with these shares
+    # whom the server waits for: all, the clients done by deadline_s, or the first_k done
+    policy: Literal["all", "deadline", "first_k"] = "all"
+    deadline_s: float | None = None  # policy deadline: simulated seconds
+    first_k: int | None = None  # policy first_k: how many replies the server waits for
+    reference_gflops: float = 10.0  # GFLOP/s of a device of speed 1.0
+    # flops: estimated work (independent of this machine); measured: this machine's seconds
+    work: Literal["flops", "measured"] = "flops"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tiers]
+        require(len(set(names)) == len(names), "devices.tiers", f"tier names repeat: {names}")
+        for arch, tier in self.by_arch.items():
+            require(
+                tier in names,
+                f"devices.by_arch.{arch}",
+                f"{tier!r} is not a tier; choose one of {', '.join(names) or '(no tiers)'}",
+            )
+        require(
+            not self.by_arch or not self.proportions,
+            "devices.proportions",
+            "give by_arch or proportions, not both",
+        )
+        require(
+            not self.proportions
+            or (
+                len(self.proportions) == len(names)
+                and all(p >= 0 for p in self.proportions)
+                and sum(self.proportions) > 0
+            ),
+            "devices.proportions",
+            f"needs one non-negative share per tier ({len(names)}), got {list(self.proportions)}",
+        )
+        require(
+            self.policy != "deadline" or (self.deadline_s is not None and self.deadline_s > 0),
+            "devices.deadline_s",
+            "policy deadline needs deadline_s > 0 (simulated seconds)",
+        )
+        require(
+            self.policy != "first_k" or (self.first_k is not None and self.first_k >= 1),
+            "devices.first_k",
+            "policy first_k needs first_k >= 1",
+        )
+        require(
+            self.work == "flops" or self.policy == "all",
+            "devices.work",
+            "measured times are known only after training; use policy all, or work flops",
+        )
+        require(self.reference_gflops > 0, "devices.reference_gflops", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -215,6 +306,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
 
 
 class _Loader(yaml.SafeLoader):

@@ -150,6 +150,11 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        if len(args) == 2:  # dict[str, X]: every key a string, every value an X
+            for k in value:
+                if not isinstance(k, str):
+                    raise ConfigError(f"{key}: keys must be names, got {k!r}")
+            return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()}
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
@@ -256,10 +261,9 @@ def check(cfg: RunConfig) -> None:
             f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
             f"lower it or raise data.num_clients",
         )
-    for name, res in (
-        ("worker_resources", e.worker_resources),
-        ("server_resources", e.server_resources),
-    ):
+    shapes = [("worker_resources", e.worker_resources), ("server_resources", e.server_resources)]
+    shapes += [(f"resources_by_arch.{a}", r) for a, r in e.resources_by_arch.items()]
+    for name, res in shapes:
         for attr in ("num_cpus", "num_gpus"):
             value = getattr(res, attr)
             require(value >= 0, f"engine.{name}.{attr}", f"must be >= 0 (got {value})")
@@ -268,11 +272,12 @@ def check(cfg: RunConfig) -> None:
                 f"engine.{name}.{attr}",
                 f"fractions above 1 must be whole numbers (got {value})",
             )
-    require(
-        e.worker_resources.num_cpus > 0 or e.worker_resources.num_gpus > 0,
-        "engine.worker_resources",
-        "a worker must reserve some CPU or GPU",
-    )
+    for name, res in shapes:
+        require(
+            name == "server_resources" or res.num_cpus > 0 or res.num_gpus > 0,
+            f"engine.{name}",
+            "a worker must reserve some CPU or GPU",
+        )
     require(
         e.server_in != "driver"
         or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),

@@ -12,14 +12,15 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rayfl.errors import UserError
 
 if TYPE_CHECKING:
     from rayfl.clusterconfig import ClusterSize
-    from rayfl.config import EngineConfig
+    from rayfl.config import EngineConfig, Resources
 
 LOWER_WORKERS = "lower engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
 GPU_CLUSTER = (
@@ -77,6 +78,80 @@ def check_fits(
     return capacity
 
 
+def fit_pools(
+    e: EngineConfig,
+    per_round: int,
+    client_shapes: Sequence[Resources],
+    total: Mapping[str, float],
+    where: str = "the cluster",
+) -> dict[Resources, int]:
+    """Workers per resource shape (`engine.resources_by_arch`): one per shape first, then more
+    in turn, each shape up to its share (by clients) of one wave of a round's clients, or of
+    `engine.num_workers` (then no more than that in all), while `total` holds them after the
+    server's share.
+
+    Raises:
+        UserError: the server, or one worker of every shape, does not fit (one line).
+    """
+    counts = Counter(client_shapes)
+    order = list(dict.fromkeys(client_shapes))  # first appearance: the same on every call
+    s = e.server_resources
+    free = {"CPU": total.get("CPU", 0.0) - s.num_cpus, "GPU": total.get("GPU", 0.0) - s.num_gpus}
+    has = f"{where} has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU"
+    if min(free.values()) < -1e-9:
+        raise UserError(
+            f"engine.server_resources asks for {s.num_cpus:g} CPU / {s.num_gpus:g} GPU but "
+            f"{has}; lower engine.server_resources"
+        )
+    wanted_all = e.num_workers or math.ceil(per_round / e.clients_per_call)
+    n = max(1, len(client_shapes))
+    wanted = {r: max(1, round(wanted_all * counts[r] / n)) for r in order}
+    sizes = dict.fromkeys(order, 0)
+
+    def take(r: Resources) -> bool:
+        if r.num_cpus > free["CPU"] + 1e-9 or r.num_gpus > free["GPU"] + 1e-9:
+            return False
+        free["CPU"] -= r.num_cpus
+        free["GPU"] -= r.num_gpus
+        sizes[r] += 1
+        return True
+
+    for r in order:
+        if not take(r):
+            raise UserError(
+                f"engine.resources_by_arch: a worker of {r.num_cpus:g} CPU / {r.num_gpus:g} GPU "
+                f"does not fit beside one worker of each other shape and the server ({has}); "
+                "lower the reservations in engine.resources_by_arch / engine.worker_resources"
+            )
+    grew = True
+    while grew:
+        grew = False
+        for r in order:
+            if e.num_workers and sum(sizes.values()) >= e.num_workers:
+                return sizes
+            if sizes[r] < wanted[r] and take(r):
+                grew = True
+    return sizes
+
+
+def check_shapes(e: EngineConfig, total: Mapping[str, float], where: str) -> None:
+    """`check_fits` for the run's one worker shape, or, with `engine.resources_by_arch`, for
+    each shape alone (how the pools share `total` is decided once Ray runs: `fit_pools`)."""
+    if not e.resources_by_arch:
+        check_fits(e, total, where=where)
+        return
+    import dataclasses
+
+    for shape in worker_shapes(e):
+        check_fits(dataclasses.replace(e, worker_resources=shape, num_workers=None), total, where)
+
+
+def worker_shapes(e: EngineConfig) -> list[Resources]:
+    """Every worker reservation the run may ask for: `engine.worker_resources` and those of
+    `engine.resources_by_arch`."""
+    return list(dict.fromkeys([e.worker_resources, *e.resources_by_arch.values()]))
+
+
 def check_ray_num_cpus(e: EngineConfig) -> None:
     """A private Ray of `engine.ray_num_cpus` CPUs must host the server's reservation and one
     worker (all `engine.num_workers` when pinned): checked with the config, before Ray starts.
@@ -112,7 +187,7 @@ def local_cpus(e: EngineConfig) -> float:
 def local_resources(e: EngineConfig) -> dict[str, float]:
     """The CPUs and GPUs a private Ray of this run would have: `engine.ray_num_cpus` (else the
     machine's CPUs) and the machine's GPUs (counted only when the run asks for any)."""
-    asks_gpu = e.worker_resources.num_gpus > 0 or e.server_resources.num_gpus > 0
+    asks_gpu = any(r.num_gpus > 0 for r in [*worker_shapes(e), e.server_resources])
     return {
         "CPU": local_cpus(e),
         "GPU": float(local_gpus()) if asks_gpu else 0.0,
@@ -130,12 +205,14 @@ def check_local(e: EngineConfig) -> None:
         return
     total = local_resources(e)
     w, s = e.worker_resources, e.server_resources
-    if total["GPU"] == 0 and (w.num_gpus > 0 or s.num_gpus > 0):
+    by_arch = max((r.num_gpus for r in e.resources_by_arch.values()), default=0.0)
+    if total["GPU"] == 0 and (w.num_gpus > 0 or s.num_gpus > 0 or by_arch > 0):
         raise UserError(
-            f"engine.worker_resources / server_resources ask for {w.num_gpus:g} / {s.num_gpus:g} "
-            f"GPU but this machine has no GPU; {GPU_CLUSTER}"
+            f"engine.worker_resources / resources_by_arch / server_resources ask for "
+            f"{w.num_gpus:g} / {by_arch:g} / {s.num_gpus:g} GPU but this machine has no GPU; "
+            f"{GPU_CLUSTER}"
         )
-    check_fits(e, total, where="this machine")
+    check_shapes(e, total, where="this machine")
 
 
 def local_note(e: EngineConfig) -> str:
@@ -160,10 +237,12 @@ def check_cluster(e: EngineConfig, cluster: ClusterSize) -> None:
     if e.executor != "ray":
         return
     nodes = f"{cluster.path} ({cluster.describe()})"
-    for key, res, actor in (
+    shapes = [
         ("worker_resources", e.worker_resources, "worker"),
         ("server_resources", e.server_resources, "server"),
-    ):
+    ]
+    shapes += [(f"resources_by_arch.{a}", r, "worker") for a, r in e.resources_by_arch.items()]
+    for key, res, actor in shapes:
         if res.num_cpus == 0 and res.num_gpus == 0:
             continue
         if not any(res.num_cpus <= n.cpus and res.num_gpus <= n.gpus for n in cluster.nodes):
@@ -172,4 +251,4 @@ def check_cluster(e: EngineConfig, cluster: ClusterSize) -> None:
                 f"but no node type of {nodes} has that much, so it can never be placed; lower "
                 f"engine.{key} or add a node type large enough to the cluster file"
             )
-    check_fits(e, cluster.total(), where=f"{nodes} at its maximum size")
+    check_shapes(e, cluster.total(), where=f"{nodes} at its maximum size")

@@ -45,6 +45,8 @@ def test_on_a_gpu_it_reports_placement_memory_and_throughput(tmp_path):
     assert all(w["cuda_max_memory_mb"] > 0 for w in workers)
     assert set(report["clients_per_s"]) == {"serial", "ray4"}
     assert report["ray4_over_serial"] > 0
+    shares = {w["resources"]["GPU"] for w in report["per_arch_shares"]["workers"]}
+    assert shares == {0.5, 0.25, 0.125}
 
 
 @pytest.mark.ray
@@ -75,3 +77,6 @@ def test_the_cpu_smoke_run_gives_the_full_report_on_logical_gpus(tmp_path):
     assert report["shared_gpu_run"]["rounds"] == 2
     assert set(report["clients_per_s"]) == {"serial", "ray4"}
     assert all(v > 0 for v in report["clients_per_s"].values())
+    per_arch = report["per_arch_shares"]
+    assert {w["resources"].get("GPU") for w in per_arch["workers"]} == {0.5, 0.25}
+    assert per_arch["clients_placed"] == 8

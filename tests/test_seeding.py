@@ -21,7 +21,7 @@ def streams() -> dict[tuple[int, ...], set[str]]:
 
     for s in SEEDS:
         add("partitioner", (s,))  # partitioners draw `default_rng(seed)`
-        for p in (Purpose.SERVER, Purpose.DATA_SUBSET, Purpose.DATA_PUBLIC):
+        for p in (Purpose.SERVER, Purpose.DATA_SUBSET, Purpose.DATA_PUBLIC, Purpose.DEVICE_TIER):
             add(p.name, words(p, s))
         for c in CLIENTS:
             add("INIT", words(Purpose.INIT, s, client=c))
@@ -33,7 +33,9 @@ def streams() -> dict[tuple[int, ...], set[str]]:
             add("PRIVACY", words(Purpose.PRIVACY, s, r))
             for a in range(4):  # a Poisson draw's redraws
                 add("POISSON_SAMPLE", words(Purpose.POISSON_SAMPLE, s, r, a))
-            for c, p in itertools.product(CLIENTS, (Purpose.TRAIN, Purpose.EVAL, Purpose.PRIVACY)):
+            purposes = (Purpose.TRAIN, Purpose.EVAL, Purpose.PRIVACY)
+            purposes += (Purpose.DEVICE_AVAILABLE, Purpose.DEVICE_DROPOUT)
+            for c, p in itertools.product(CLIENTS, purposes):
                 add(p.name, words(p, s, r, c))
     return found
 

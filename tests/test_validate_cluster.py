@@ -260,3 +260,33 @@ def test_the_python_api_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
     with pytest.raises(rayfl.UserError, match="this machine has no GPU"):
         rayfl.run(cfg, out=str(tmp_path / "run"))
     assert not no_ray
+
+
+def test_a_per_architecture_gpu_pool_is_refused_on_a_cpu_only_cluster(
+    tmp_path, synthetic_raw, capsys, no_ray
+):
+    cfg = _config(tmp_path, synthetic_raw, resources_by_arch={"tiny_a": {"num_gpus": 0.5}})
+    cluster = _cluster(tmp_path, {"CPU": 8, "GPU": 0}, {"CPU": 4, "GPU": 0})
+    line = _refused(capsys, ["validate", cfg, "--cluster", cluster])
+    assert "engine.resources_by_arch.tiny_a asks for 1 CPU / 0.5 GPU per worker" in line
+    assert "can never be placed" in line
+    gpus = _cluster(tmp_path, {"CPU": 8, "GPU": 0}, {"CPU": 4, "GPU": 1})
+    assert main(["validate", cfg, "--cluster", gpus]) == 0
+    assert not no_ray
+
+
+def test_a_trial_reserves_a_bundle_per_pool():
+    from rayfl.config import build_config
+    from rayfl.tune.trial import trial_bundles
+
+    raw = {
+        "algorithm": {"name": "local"},
+        "model": {"family": "tiny2"},
+        "data": {"dataset": "synthetic", "num_clients": 6},
+        "engine": {"resources_by_arch": {"tiny_a": {"num_cpus": 0.5, "num_gpus": 0.5}}},
+    }
+    assert trial_bundles(build_config(raw), 0.5) == [
+        {"CPU": 0.5},
+        {"CPU": 0.5, "GPU": 0.5},
+        {"CPU": 1.0},
+    ]

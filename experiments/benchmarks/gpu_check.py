@@ -8,6 +8,9 @@
    peak GPU memory of each worker (`torch.cuda.max_memory_allocated` inside the worker).
 3. Throughput: clients per second for 100 cnn_small clients, one process on the GPU (serial
    executor) against 4 Ray workers sharing it.
+4. Per-architecture shares (`engine.resources_by_arch`): a pFedES run on the three `seed3`
+   architectures whose workers reserve 0.5 (resnet_small), 0.25 (cnn_small) and 0.125 (mlp) of
+   the GPU; checks that every client trained on a worker of its architecture's share, on CUDA.
 
 Writes `<out>/gpu_check.json` and prints a table, in one run. Without a GPU it stops at once with
 exit code 2 and says so. `--cpu-smoke` runs the same code on the CPU with tiny settings and Ray's
@@ -55,13 +58,51 @@ def settings(cpu_smoke: bool) -> dict[str, Any]:
     return raw
 
 
-def run(raw: dict[str, Any], overrides: list[str], run_dir: Path) -> tuple[Any, list[Any]]:
+SHARES = {"resnet_small": 0.5, "cnn_small": 0.25, "mlp": 0.125}
+
+
+def per_arch_check(raw: dict[str, Any], run_dir: Path, cpu_smoke: bool) -> dict[str, Any]:
+    """Step 4: every client on a worker with its architecture's GPU share."""
+    shares = {"tiny_a": 0.5, "tiny_b": 0.25} if cpu_smoke else SHARES
+    raw = {**raw, "algorithm": {"name": "pfedes"}}
+    raw["model"] = {"family": "tiny2"} if cpu_smoke else {"family": "seed3"}
+    pools = ", ".join(f"{a}: {{num_cpus: 1, num_gpus: {g}}}" for a, g in shares.items())
+    overrides = [
+        "engine.executor=ray",
+        f"engine.resources_by_arch={{{pools}}}",
+        "engine.clients_per_call=4",
+        "engine.rounds=2",
+    ]
+    result, infos, placements = run(raw, overrides, run_dir, with_placements=True)
+    from rayfl.models.families import family_from_config
+
+    archs = family_from_config(raw["model"]["family"]).assign(raw["data"]["num_clients"])
+    wrong = [
+        c
+        for c, w in placements.items()
+        if infos[w]["resources"].get("GPU", 0.0) != shares[archs[c]]
+    ]
+    if wrong:
+        raise RuntimeError(f"clients {wrong} trained on a worker of another architecture's share")
+    return {
+        "workers": [
+            {k: i[k] for k in ("pid", "resources", "device", "cuda_max_memory_mb")} for i in infos
+        ],
+        "clients_placed": len(placements),
+        "personal_acc": result.final.get("personal/acc"),
+    }
+
+
+def run(
+    raw: dict[str, Any], overrides: list[str], run_dir: Path, with_placements: bool = False
+) -> Any:
     from rayfl.config import build_config
     from rayfl.engine.callbacks import Callback
     from rayfl.engine.loop import Simulation
 
     cfg = build_config(raw, overrides)
     infos: list[dict[str, Any]] = []
+    placements: dict[int, int] = {}
 
     class WorkerInfo(Callback):
         """The workers' placement and peak GPU memory after the last round, while they live."""
@@ -69,11 +110,12 @@ def run(raw: dict[str, Any], overrides: list[str], run_dir: Path) -> tuple[Any, 
         def on_round_end(self, sim: Any, round_idx: int, metrics: dict[str, float]) -> None:
             if round_idx == cfg.engine.rounds and hasattr(sim.executor, "worker_info"):
                 infos[:] = sim.executor.worker_info()
+                placements.update(sim.executor.placements)
 
     result = Simulation(cfg, run_dir, [WorkerInfo()]).run()
     if result.status != "FINISHED":
         raise RuntimeError(f"the run {overrides} ended {result.status}")
-    return result, infos
+    return (result, infos, placements) if with_placements else (result, infos)
 
 
 def clients_per_second(result: Any) -> float:
@@ -146,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ... {label}: {speeds[label]:.1f} clients/s", file=sys.stderr, flush=True)
         report["clients_per_s"] = speeds
         report["ray4_over_serial"] = speeds["ray4"] / speeds["serial"]
+        # 4: a worker pool per architecture, each with its own GPU share
+        report["per_arch_shares"] = per_arch_check(raw, out / "per_arch", args.cpu_smoke)
     finally:
         ray.shutdown()
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
@@ -160,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, v in report["clients_per_s"].items():
         print(f"  {label:15s} {v:8.1f} clients/s")
     print(f"  4 workers / one process: {report['ray4_over_serial']:.2f}x")
+    for info in report["per_arch_shares"]["workers"]:
+        print(
+            f"  per-arch worker pid {info['pid']}: {info['resources']}, device {info['device']}, "
+            f"peak GPU memory {info.get('cuda_max_memory_mb', 0.0):.1f} MB"
+        )
     print(f"  written: {out / 'gpu_check.json'}")
     return 0
 

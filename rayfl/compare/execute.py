@@ -177,6 +177,19 @@ def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], R
     import ray
 
     total = ray.cluster_resources()
+    driver = {"CPU": 0.01 + e.server_resources.num_cpus}
+    if e.server_resources.num_gpus > 0:
+        driver["GPU"] = e.server_resources.num_gpus
+    if e.resources_by_arch:  # a pool per shape, sized within the run's share
+        from rayfl.engine.pool import run_shapes
+
+        share_of = {k: total.get(k, 0.0) * share for k in ("CPU", "GPU")}
+        shapes = run_shapes(cfg, share_of)
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=len(shapes)))
+        bundles = [
+            {k: v for k, v in (("CPU", r.num_cpus), ("GPU", r.num_gpus)) if v > 0} for r in shapes
+        ]
+        return [driver, *bundles], cfg
     room = []
     if w.num_cpus > 0:
         room.append(math.floor(total.get("CPU", 0.0) * share / w.num_cpus + 1e-9))
@@ -185,9 +198,6 @@ def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], R
     wanted = e.num_workers or math.ceil(clients_per_round(cfg) / e.clients_per_call)
     workers = max(1, min(wanted, *room))
     worker = {k: v for k, v in (("CPU", w.num_cpus), ("GPU", w.num_gpus)) if v > 0}
-    driver = {"CPU": 0.01 + e.server_resources.num_cpus}
-    if e.server_resources.num_gpus > 0:
-        driver["GPU"] = e.server_resources.num_gpus
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=workers))
     return [driver] + [dict(worker) for _ in range(workers)], cfg
 

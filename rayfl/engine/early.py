@@ -85,7 +85,8 @@ class EarlyRay:
             with clock.phase("ray_start"):
                 started = init_ray_for_run(engine, self.spill_dir)
             pool = None
-            if started and not self._cancelled.is_set():
+            # per-architecture pools wait for the clients' architectures (`RayExecutor.attach`)
+            if started and not self._cancelled.is_set() and not engine.resources_by_arch:
                 # The workers' processes import torch while this one does (rayfl.engine.pool
                 # imports none); a Ray this process started stops with them on a failure.
                 from rayfl.engine.pool import start_workers

@@ -32,6 +32,7 @@ from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.background import Background
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored, client_templates
+from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
 from rayfl.engine.early import EarlyRay
 from rayfl.engine.executor import Executor, SerialExecutor
 from rayfl.engine.sampling import sample_clients
@@ -206,6 +207,7 @@ class Simulation:
             self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
             self.per_round = clients_per_round(cfg)
             check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
+            check_arch_names(cfg, self.archs)
             self.clock.mark("imports")
             # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
             if self._early is None and cfg.engine.executor == "ray":
@@ -221,6 +223,17 @@ class Simulation:
             )
             check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
             self.spec = make_spec(cfg, self.archs, self.federation)
+            self.devices = (
+                Devices(
+                    cfg,
+                    self.archs,
+                    [len(c.train) for c in self.federation.clients],
+                    dataset.in_shape,
+                    dataset.num_classes,
+                )
+                if cfg.devices.enabled
+                else None
+            )
         except BaseException:
             if self._early is not None:
                 self._early.cancel()
@@ -253,6 +266,7 @@ class Simulation:
                 cb.on_run_start(self)
             comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
             comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
+            comm["virtual"] = self.result.final.get("time/virtual_s", 0.0)
             self.clock.mark("first_round_at")
             log.info("start-up: %s", self.clock.describe())
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
@@ -317,10 +331,22 @@ class Simulation:
         )
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(rnd, archs)
+        received = clients  # who downloaded the broadcast
+        plan = None
+        if self.devices is not None:  # who trains, by availability, dropout and deadline
+            plan = self.devices.plan(rnd, clients, {a: float(n) for a, n in sizes.items()})
+            received = sorted([*plan.participants, *plan.dropped_out, *plan.stragglers])
+            clients = plan.participants
+            if len(clients) < cfg.engine.min_replies:
+                comm["down"] += float(sum(sizes[self.archs[c]] for c in received))
+                return self._skip_round(rnd, plan, comm, start)
         fit_start = time.perf_counter()
         deployed = cfg.eval.protocol == "deployed"
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate and not deployed)
         fit_end = time.perf_counter()
+        if plan is not None and self.devices is not None and self.devices.cfg.work == "measured":
+            train_s = {r["client"]: r["train_s"] for r in client_rows}
+            self.devices.measured(plan, train_s, {a: float(n) for a, n in sizes.items()})
         if self._finish_pending():
             return None
         server_start = time.perf_counter()
@@ -339,7 +365,7 @@ class Simulation:
             _, new_payloads = ex.broadcast(rnd, sorted(set(self.archs)))
             eval_rows = self._evaluate_deployed(rnd, new_payloads, client_rows)
         eval_s = time.perf_counter() - eval_start
-        bytes_down = float(sum(sizes[self.archs[c]] for c in clients))
+        bytes_down = float(sum(sizes[self.archs[c]] for c in received))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
@@ -353,11 +379,45 @@ class Simulation:
         row["time/fit_s"] = fit_end - fit_start
         row["time/server_s"] = server_s
         row["time/eval_s"] = eval_s
+        if plan is not None:
+            row.update(self._clock_metrics(rnd, plan, comm))
         row["time/round_s"] = time.perf_counter() - start
         view = ex.snapshot() if handle is not None else ex
         self._pending = _Pending(rnd, row, handle, view, clients, client_rows)
         if handle is None:
             self._finish_pending()
+        return row
+
+    def _clock_metrics(self, rnd: int, plan: RoundPlan, comm: dict[str, float]) -> dict[str, float]:
+        """The virtual clock's row entries (`rayfl.engine.devices`)."""
+        assert self.devices is not None
+        comm["virtual"] = comm.get("virtual", 0.0) + plan.round_s
+        out = {**self.devices.round_metrics(plan), "time/virtual_s": comm["virtual"]}
+        if rnd == self.start_round:
+            out.update(self.devices.describe())
+        return out
+
+    def _skip_round(
+        self, rnd: int, plan: RoundPlan, comm: dict[str, float], start: float
+    ) -> dict[str, float] | None:
+        """A round in which fewer devices than `engine.min_replies` can train: no training and no
+        server step; the clock still runs (the server waited)."""
+        assert self.executor is not None
+        log.warning(
+            "round %d: %d of the sampled devices can train (engine.min_replies=%d): round skipped",
+            rnd,
+            len(plan.participants),
+            self.cfg.engine.min_replies,
+        )
+        if self._finish_pending():
+            return None
+        row: dict[str, float] = {"round": float(rnd), "clients": 0.0, "devices/skipped": 1.0}
+        row.update(self._clock_metrics(rnd, plan, comm))
+        row["comm/bytes_up_total"] = comm["up"]
+        row["comm/bytes_down_total"] = comm["down"]
+        row["time/round_s"] = time.perf_counter() - start
+        self._pending = _Pending(rnd, row, None, self.executor, [], [])
+        self._finish_pending()
         return row
 
     def _evaluate_deployed(

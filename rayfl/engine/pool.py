@@ -12,14 +12,15 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rayfl.config import EngineConfig
+from rayfl.config import EngineConfig, Resources
 from rayfl.errors import UserError
-from rayfl.resources import check_fits, worker_capacity
+from rayfl.resources import check_fits, fit_pools, worker_capacity
 
 if TYPE_CHECKING:
     from rayfl.algorithms.base import Payload
@@ -98,6 +99,7 @@ class ClientWorker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device),
             "torch_threads": torch.get_num_threads(),
+            "resources": dict(ctx.get_assigned_resources()),
             # peak GPU memory this worker's training allocated (0 on the CPU)
             "cuda_max_memory_mb": (
                 torch.cuda.max_memory_allocated(self.runner.device) / 2**20
@@ -109,28 +111,76 @@ class ClientWorker:
 
 @dataclass
 class WorkerPool:
-    """What `start_workers` started: `num_workers` actors of class `cls`."""
+    """What `start_workers` started: `num_workers` actors, `shapes[i]` the reservation of
+    `actors[i]` (one pool per resource shape: `engine.resources_by_arch`)."""
 
     num_workers: int
     cls: Any
     actors: list[Any]
+    shapes: list[Resources]
 
 
-def start_workers(e: EngineConfig, per_round: int) -> WorkerPool:
+def arch_shapes(e: EngineConfig, archs: Sequence[str]) -> list[Resources]:
+    """Each client's worker reservation: its architecture's in `engine.resources_by_arch`, else
+    `engine.worker_resources` (`archs[c]` is client c's architecture)."""
+    return [e.resources_by_arch.get(a, e.worker_resources) for a in archs]
+
+
+def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) -> WorkerPool:
     """Plan the run's workers and create their actors, without their spec and data (each
-    process imports torch meanwhile; the first call sets it up).
+    process imports torch meanwhile; the first call sets it up). With
+    `engine.resources_by_arch`, `archs` (every client's architecture) decides the pools.
 
     Ray restarts a worker that dies (`max_restarts=-1`: as often as needed) and re-runs the
     call it was running up to `engine.max_retries` times (`max_task_retries`); a call that
     fails more often surfaces as `RayActorError` (rayfl.engine.ray_executor)."""
-    num_workers = plan_workers(e, per_round)
-    cls = ray.remote(ClientWorker).options(
-        num_cpus=e.worker_resources.num_cpus,
-        num_gpus=e.worker_resources.num_gpus,
-        max_restarts=-1,
-        max_task_retries=e.max_retries,
+    if e.resources_by_arch:
+        sizes = plan_pools(e, per_round, arch_shapes(e, archs))
+    else:
+        sizes = {e.worker_resources: plan_workers(e, per_round)}
+    actors: list[Any] = []
+    shapes: list[Resources] = []
+    cls: Any = None
+    for shape, count in sizes.items():
+        cls = ray.remote(ClientWorker).options(
+            num_cpus=shape.num_cpus,
+            num_gpus=shape.num_gpus,
+            max_restarts=-1,
+            max_task_retries=e.max_retries,
+        )
+        actors += [cls.remote() for _ in range(count)]
+        shapes += [shape] * count
+    return WorkerPool(len(actors), cls, actors, shapes)
+
+
+def run_shapes(cfg: Any, total: Mapping[str, float], one_each: bool = False) -> list[Resources]:
+    """The reservation of each worker that a run of `cfg` (a `RunConfig` with
+    `engine.resources_by_arch`) gets from `total`, one entry per worker; `one_each`: one worker
+    per shape unless `engine.num_workers` asks for more (a Tune trial's default)."""
+    import dataclasses
+
+    from rayfl.config import clients_per_round
+    from rayfl.models.families import family_from_config
+
+    e = cfg.engine
+    archs = family_from_config(cfg.model.family, cfg.model.architectures).assign(
+        cfg.data.num_clients, cfg.model.proportions
     )
-    return WorkerPool(num_workers, cls, [cls.remote() for _ in range(num_workers)])
+    shapes = arch_shapes(e, archs)
+    if one_each:
+        e = dataclasses.replace(e, num_workers=e.num_workers or len(set(shapes)))
+    sizes = fit_pools(e, clients_per_round(cfg), shapes, total)
+    return [r for r, n in sizes.items() for _ in range(n)]
+
+
+def plan_pools(
+    e: EngineConfig, per_round: int, client_shapes: Sequence[Resources]
+) -> dict[Resources, int]:
+    """Workers per resource shape: one each at least, then more, in proportion to the shape's
+    share of the clients, up to one wave of a round's clients or `engine.num_workers` in all,
+    as far as the cluster holds them after the server's share."""
+    total = ray.cluster_resources()
+    return fit_pools(e, per_round, client_shapes, total)
 
 
 def _bundle(res: Any) -> dict[str, float]:

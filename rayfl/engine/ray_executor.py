@@ -25,7 +25,7 @@ from rayfl.config import EngineConfig, server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.background import Background
 from rayfl.engine.executor import Executor, StateView, longest_first
-from rayfl.engine.pool import WorkerPool, start_workers
+from rayfl.engine.pool import WorkerPool, arch_shapes, start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray_for_run
@@ -101,9 +101,9 @@ class RayExecutor(Executor):
         self._clock = clock
         try:
             with _phase(clock if pool is None else None, "actors_launch"):
-                if pool is None:
+                if pool is None and not e.resources_by_arch:  # else `attach` starts them
                     pool = start_workers(e, per_round)
-                self.num_workers, self.workers = pool.num_workers, pool.actors
+                self._pool(pool)
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
@@ -125,6 +125,10 @@ class RayExecutor(Executor):
         """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
         self.spec = spec
         self._clock = clock or self._clock
+        if not self.workers:  # per-architecture pools: started once the architectures are known
+            with _phase(clock, "actors_launch"):
+                self._pool(start_workers(spec.engine, spec.per_round, spec.archs))
+        self._shape_of = arch_shapes(spec.engine, spec.archs)  # client -> its pool's shape
         self._train_sizes = [len(c.train) for c in federation.clients]
         self._test_sizes = [len(c.test) for c in federation.clients]
         try:
@@ -143,6 +147,12 @@ class RayExecutor(Executor):
             self.close()
             raise
         log.info("Ray executor: %d workers", self.num_workers)
+
+    def _pool(self, pool: WorkerPool | None) -> None:
+        self.workers = list(pool.actors) if pool is not None else []
+        self.num_workers = len(self.workers)
+        self._worker_shapes = list(pool.shapes) if pool is not None else []
+        self.placements: dict[int, int] = {}  # client -> index of the worker that last ran it
 
     def _await_ready(self, ready: list[Any]) -> None:
         """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
@@ -272,7 +282,7 @@ class RayExecutor(Executor):
 
         deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
         order = longest_first(client_ids, self._train_sizes)
-        self._dispatch(round_idx, _batches(order, e.clients_per_call), submit, record, deadline)
+        self._dispatch(round_idx, self._batches(order), submit, record, deadline)
         return metrics, reply_refs
 
     def evaluate(
@@ -291,9 +301,16 @@ class RayExecutor(Executor):
             self._report("eval", len(rows), len(client_ids))
 
         order = longest_first(client_ids, self._test_sizes)
-        batches = _batches(order, self.spec.engine.clients_per_call)
-        self._dispatch(round_idx, batches, submit, record)
+        self._dispatch(round_idx, self._batches(order), submit, record)
         return rows
+
+    def _batches(self, order: Sequence[int]) -> list[list[int]]:
+        """Batches of `engine.clients_per_call` clients in `order`, each of one pool's shape."""
+        by_shape: dict[Any, list[int]] = {}
+        for c in order:
+            by_shape.setdefault(self._shape_of[c], []).append(c)
+        size = self.spec.engine.clients_per_call
+        return [b for ids in by_shape.values() for b in _batches(ids, size)]
 
     def _dispatch(
         self,
@@ -311,14 +328,22 @@ class RayExecutor(Executor):
             UserError: a batch's worker died more often than Ray re-runs a call
                 (`engine.max_retries`).
         """
-        pending = deque(batches)
-        idle = deque(self.workers)
-        running: dict[Any, tuple[Any, list[int], Any]] = {}
+        # a batch goes to a free worker of its clients' shape (one pool per shape)
+        pending: dict[Any, deque[list[int]]] = {}
+        for batch in batches:
+            pending.setdefault(self._shape_of[batch[0]], deque()).append(batch)
+        idle: dict[Any, deque[int]] = {}
+        for index, shape in enumerate(self._worker_shapes):
+            idle.setdefault(shape, deque()).append(index)
+        running: dict[Any, tuple[int, list[int], Any]] = {}
         while True:
-            while idle and pending:
-                worker, batch = idle.popleft(), pending.popleft()
-                ref, handle = submit(worker, batch)
-                running[ref] = (worker, batch, handle)
+            for shape, queue in pending.items():
+                free = idle.get(shape)
+                while free and queue:
+                    index, batch = free.popleft(), queue.popleft()
+                    ref, handle = submit(self.workers[index], batch)
+                    running[ref] = (index, batch, handle)
+                    self.placements.update(dict.fromkeys(batch, index))
             if not running:
                 return
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -329,13 +354,13 @@ class RayExecutor(Executor):
                     "dropped",
                     round_idx,
                     self.spec.engine.round_timeout_s,
-                    len(running) + len(pending),
+                    len(running) + sum(len(q) for q in pending.values()),
                 )
                 for ref in running:
                     with suppress(Exception):
                         ray.cancel(ref)
                 return
-            worker, batch, handle = running.pop(done[0])
+            index, batch, handle = running.pop(done[0])
             try:
                 record(batch, handle)
             except ray.exceptions.RayActorError:
@@ -344,7 +369,7 @@ class RayExecutor(Executor):
                     f"{self.spec.engine.max_retries + 1} times; check memory "
                     "(engine.worker_resources) or raise engine.max_retries"
                 ) from None
-            idle.append(worker)
+            idle[self._worker_shapes[index]].append(index)
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         if self.local is not None:

@@ -20,8 +20,21 @@ log = logging.getLogger(__name__)
 
 
 def trial_workers(cfg: RunConfig) -> int:
-    """Worker actors of one trial with engine.executor=ray: engine.num_workers, else 1."""
-    return cfg.engine.num_workers or 1
+    """Worker actors of one trial with engine.executor=ray: engine.num_workers, else 1 (one
+    per resource shape with `engine.resources_by_arch`)."""
+    return len(trial_shapes(cfg))
+
+
+def trial_shapes(cfg: RunConfig) -> list[Any]:
+    """The reservation of each worker of one trial (`Resources`, one entry per worker)."""
+    import math
+
+    from rayfl.engine.pool import run_shapes
+
+    e = cfg.engine
+    if not e.resources_by_arch:
+        return [e.worker_resources] * (e.num_workers or 1)
+    return run_shapes(cfg, {"CPU": math.inf, "GPU": math.inf}, one_each=True)
 
 
 def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
@@ -46,7 +59,7 @@ def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
     if e.executor == "serial":
         return [bundle(e.worker_resources)]
     bundles = [{"CPU": float(trial_cpus)}]
-    bundles += [bundle(e.worker_resources) for _ in range(trial_workers(cfg))]
+    bundles += [bundle(r) for r in trial_shapes(cfg)]
     server = bundle(e.server_resources)
     if server:
         bundles.append(server)
