@@ -141,7 +141,9 @@ class RayExecutor(Executor):
                 self._server_ready = self.server.setup.remote(spec, self._federation_ref)
                 ready.append(self._server_ready)
             else:  # built while the workers' processes import torch
-                self.local = ServerRunner(spec, federation, resolve_device(spec.device, []))
+                # The driver is no actor: Ray assigns it no GPU ids, so it takes the device as
+                # the serial executor does (engine.device=cuda: the visible GPU).
+                self.local = ServerRunner(spec, federation, resolve_device(spec.device))
             self._await_ready(ready)
         except BaseException:
             self.close()
