@@ -40,6 +40,10 @@ class Purpose(IntEnum):
     DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
     DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)
     POISSON_SAMPLE = 10  # `engine.sampling=poisson`'s draw: (seed, round, attempt, POISSON_SAMPLE)
+    # `data.domains`' transformations and noise: a client's (seed, client, DATA_SHIFT), the
+    # server test set's (seed, DATA_SHIFT)
+    DATA_SHIFT = 11
+    DATA_DOMAIN = 12  # a multi-domain dataset's per-domain partition: (seed, domain, DATA_DOMAIN)
 
 
 # The server's second stream in a round (its public-data batches): (seed, round, SERVER, 1), a
