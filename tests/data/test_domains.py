@@ -206,3 +206,27 @@ def test_dirichlet_with_rotation_domains_gives_ray_the_serial_numbers(ray_local)
     assert "personal/acc/domain=rotate:90" in serial[-1]
     assert "personal/acc_worst_domain" in serial[-1]
     assert serial == history("ray")
+
+
+@pytest.mark.ray  # an end-to-end run
+def test_the_run_report_and_the_suite_table_show_accuracy_per_domain(tmp_path):
+    from rayfl.compare import DOMAIN_PREFIX, arch_rows, mean_col
+    from rayfl.launch import simulate
+    from rayfl.report import write_report
+
+    raw = domain_raw()
+    simulate(build_config(raw, ["engine.rounds=1"]), tmp_path / "run", progress=False)
+    page = write_report(tmp_path / "run").read_text()
+    assert "Personalized accuracy per domain" in page and "rotate:270" in page
+    row = {"label": "fedavg", mean_col(DOMAIN_PREFIX + "rotate:90"): 0.5}
+    assert arch_rows([row], DOMAIN_PREFIX) == (["algorithm", "rotate:90"], [["fedavg", "0.5000"]])
+
+
+def test_ls_partitioners_lists_the_feature_shift_options(capsys):
+    from rayfl.cli import main
+
+    assert main(["ls", "partitioners"]) == 0
+    out = capsys.readouterr().out
+    assert "dirichlet" in out and "noise: X" in out and "held_out" in out
+    for name in transforms.TRANSFORMS:
+        assert f"  {name}" in out
