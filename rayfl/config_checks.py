@@ -309,6 +309,11 @@ def check_domains(cfg: RunConfig) -> None:
             "held-out clients never train, so only eval.protocol=deployed scores them",
         )
         require(
+            not cfg.privacy.dp.enabled,
+            "data.domains.held_out",
+            "DP accounting assumes every client can be sampled; drop held_out or privacy.dp",
+        )
+        require(
             not d.transforms or d.held_out in d.transforms,
             "data.domains.held_out",
             f"{d.held_out!r} is not one of data.domains.transforms",

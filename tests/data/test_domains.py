@@ -181,12 +181,14 @@ def test_domain_config_errors_are_one_line(domains, message):
     assert "\n" not in str(err.value)
 
 
-def test_a_held_out_domain_needs_the_deployed_protocol():
+def test_a_held_out_domain_needs_the_deployed_protocol_and_no_dp():
     raw = copy.deepcopy(SYNTHETIC)
     raw["data"]["domains"] = {"transforms": ["identity", "invert"], "held_out": "invert"}
     raw["eval"] = {"protocol": "after_fit"}
     with pytest.raises(ConfigError, match="eval.protocol=deployed"):
         build_config(raw)
+    with pytest.raises(ConfigError, match="DP accounting"):
+        build_config(raw, ["eval.protocol=deployed", "privacy.dp.enabled=true"])
 
 
 def domain_raw() -> dict:
