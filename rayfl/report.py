@@ -171,10 +171,13 @@ def _arch_bars(
     path: Path,
     title: str = "",
     errors: Mapping[str, Mapping[str, float]] | None = None,
+    xlabel: str = "architecture",
 ) -> Path:
     from rayfl.tracking.plots import plot_bars
 
-    return plot_bars(groups, path, ylabel="personalized accuracy", title=title, errors=errors)
+    return plot_bars(
+        groups, path, ylabel="personalized accuracy", title=title, errors=errors, xlabel=xlabel
+    )
 
 
 def run_report(run_dir: Path) -> str:
@@ -235,7 +238,8 @@ def run_report(run_dir: Path) -> str:
         sections.append(
             (
                 "Personalized accuracy per domain",
-                table(["domain", algo], body) + figure(partial(_arch_bars, groups), "per domain"),
+                table(["domain", algo], body)
+                + figure(partial(_arch_bars, groups, xlabel="domain"), "per domain"),
             )
         )
     if is_file(run_dir / "label_distribution.png"):
@@ -320,7 +324,7 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
                 errors[r["label"]] = {
                     a: v for a in archs if (v := r.get(std_col(prefix + a))) is not None
                 }
-            draw = partial(_arch_bars, groups, errors=errors)
+            draw = partial(_arch_bars, groups, errors=errors, xlabel=what.split()[0])
             sections.append(
                 (
                     f"Personalized accuracy per {what}{suffix}",
