@@ -207,6 +207,12 @@ def plan_for(
         )
     for recipe in recipes:
         transforms.parse(recipe)
+    require(
+        not recipes or dataset.x_train.ndim == 4,
+        "data.domains.transforms",
+        f"transformations need images (N, C, H, W); {dataset.name}'s samples have shape "
+        f"{dataset.in_shape} (data.domains.noise works on any shape)",
+    )
     names = own or recipes
     require(
         len(set(names)) == len(names),

@@ -150,6 +150,15 @@ def test_domain_counts_and_the_held_out_domain():
     assert shares.client_domain == ("identity",) * 4 + ("invert",) * 2
 
 
+def test_transformations_refuse_data_that_are_not_images():
+    flat = load_dataset("synthetic", num_samples=200, num_test=50, shape=(16,))
+    kwargs = dict(num_clients=2, partitioner="iid", partition_options={}, seed=0)
+    with pytest.raises(ConfigError, match="need images"):
+        build_federation(flat, domains=DomainsConfig(transforms=("rotate:90",)), **kwargs)
+    noisy = build_federation(flat, domains=DomainsConfig(noise=0.5), **kwargs)
+    assert not np.array_equal(noisy.dataset.x_train, flat.x_train)
+
+
 def test_per_domain_accuracy_and_the_worst_domain():
     rows = [
         {"client": 0, "arch": "a", "acc": 0.8, "num_test": 10, "num_train": 1, "train_s": 0.0},
