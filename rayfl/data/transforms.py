@@ -14,15 +14,15 @@ Two families:
   github.com/hendrycks/robustness, `make_cifar_c.py`), whose severity constants are followed:
   `gaussian_noise`, `shot_noise`, `impulse_noise`, `speckle_noise`, `gaussian_blur`,
   `defocus_blur`, `zoom_blur`, `contrast`, `brightness`, `pixelate`, `jpeg_compression`,
-  `elastic_transform`. Deviations: `brightness` scales a pixel's RGB by the ratio HSV's value
-  gains (the same as adding to V), `impulse_noise` salts and peppers each value independently
-  (scikit-image's `s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed random field
-  with rayfl's own strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu & Gilmer 2019)'s
-  affine corruptions are `rotate`, `shear` and `scale`.
+  `elastic_transform`, `fog`. Deviations: `brightness` scales a pixel's RGB by the ratio
+  HSV's value gains (the same as adding to V), `impulse_noise` salts and peppers each value
+  independently (scikit-image's `s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed
+  random field with rayfl's own strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu &
+  Gilmer 2019)'s affine corruptions are `rotate`, `shear` and `scale`.
 
 Left out: `glass_blur` (a per-pixel swap loop), `motion_blur` and `snow` (ImageMagick's motion
-blur), `frost` (texture image files), `fog` (plasma fractal), `spatter`, `saturate` (colour
-only), and MNIST-C's `stripe`, `dotted_line`, `zigzag`, `canny_edges`, `translate`.
+blur), `frost` (texture image files), `spatter`, `saturate` (colour only), and MNIST-C's
+`stripe`, `dotted_line`, `zigzag`, `canny_edges`, `translate`.
 """
 
 from __future__ import annotations
@@ -338,3 +338,43 @@ def elastic_transform(x: np.ndarray, alpha: float, rng: np.random.Generator) -> 
     grid[2] += field[0]
     grid[3] += field[1]
     return ndimage.map_coordinates(x, grid, order=1, mode="reflect")
+
+
+def plasma_fractal(n: int, size: int, decay: float, rng: np.random.Generator) -> np.ndarray:
+    """`n` diamond-square height maps of `size` x `size` (a power of two) in [0, 1], each
+    octave's random amplitude divided by `decay` (CIFAR-10-C's `plasma_fractal`, batched)."""
+    m = np.zeros((n, size, size))
+    step, wibble = size, 100.0
+
+    def jitter(a: np.ndarray) -> np.ndarray:
+        return a / 4 + wibble * rng.uniform(-wibble, wibble, a.shape)
+
+    while step >= 2:
+        half = step // 2
+        corners = m[:, ::step, ::step]
+        squares = corners + np.roll(corners, -1, axis=1)
+        squares = squares + np.roll(squares, -1, axis=2)
+        m[:, half::step, half::step] = jitter(squares)
+        centres, corners = m[:, half::step, half::step], m[:, ::step, ::step]
+        m[:, ::step, half::step] = jitter(
+            centres + np.roll(centres, 1, axis=1) + corners + np.roll(corners, -1, axis=2)
+        )
+        m[:, half::step, ::step] = jitter(
+            centres + np.roll(centres, 1, axis=2) + corners + np.roll(corners, -1, axis=1)
+        )
+        step, wibble = half, wibble / decay
+    m -= m.min(axis=(1, 2), keepdims=True)
+    return m / np.maximum(m.max(axis=(1, 2), keepdims=True), 1e-12)
+
+
+@_severity(
+    "fog",
+    ((0.2, 3.0), (0.5, 3.0), (0.75, 2.5), (1.0, 2.0), (1.5, 1.75)),
+    "CIFAR-10-C fog (a plasma fractal added, contrast lowered)",
+)
+def fog(x: np.ndarray, c: tuple[float, float], rng: np.random.Generator) -> np.ndarray:
+    n, _, h, w = x.shape
+    size = 1 << max(1, int(np.ceil(np.log2(max(h, w)))))
+    haze = plasma_fractal(n, size, c[1], rng)[:, None, :h, :w]
+    top = x.max(axis=(1, 2, 3), keepdims=True)
+    return (x + c[0] * haze) * top / (top + c[0])

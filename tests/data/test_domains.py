@@ -60,6 +60,12 @@ def test_severity_recipes_follow_cifar10c_constants():
         for s in (1, 5)
     ]
     assert [round(float((n - 0.5).std()), 2) for n in noisy] == [0.04, 0.10]
+    haze = transforms.plasma_fractal(2, 32, 3.0, np.random.default_rng(0))
+    assert haze.shape == (2, 32, 32) and haze.min() == 0.0 and haze.max() == 1.0
+    assert not np.array_equal(haze[0], haze[1])  # one fractal per image
+    # fog never brightens past an image's maximum: a black image stays black
+    blank = np.zeros((1, 1, 8, 8), np.float32)
+    assert transforms.apply("fog:1", blank, np.random.default_rng(0)).max() == 0.0
 
 
 @pytest.mark.parametrize(
