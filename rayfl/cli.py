@@ -293,6 +293,9 @@ def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | Non
 def cmd_ls(args: argparse.Namespace) -> int:
     from rayfl.registry import ALGORITHMS, DATASETS, FAMILIES, MODELS, PARTITIONERS
 
+    if args.name == "partitioners":
+        print(_partitioners_text())
+        return 0
     if args.name:
         from rayfl.describe import describe
 
@@ -308,8 +311,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"  {name:14s} {', '.join(fam.architectures)}")
     print("datasets:    " + ", ".join(DATASETS.names()))
     print("partitioners: " + ", ".join(PARTITIONERS.names()))
+    print("feature shift: data.domains (`rayfl ls partitioners` lists its transformations)")
     print("`rayfl ls NAME` shows an algorithm's keys (or a section's: engine, train, data, ...)")
     return 0
+
+
+def _partitioners_text() -> str:
+    """`rayfl ls partitioners`: label partitioners and the feature-shift options, one line each."""
+    import inspect
+
+    from rayfl.data import transforms
+    from rayfl.registry import PARTITIONERS
+
+    lines = ["label partitioners (data.partition.name):"]
+    for name, fn in PARTITIONERS.items():
+        lines.append(f"  {name:14s} {(inspect.getdoc(fn) or '').splitlines()[0]}")
+    lines += [
+        "feature shift (data.domains; composes with any label partitioner):",
+        "  noise: X           NIID-Bench feature skew: client i gets Gaussian noise, std X*i/N",
+        "  held_out: RECIPE   that domain's clients are only evaluated (domain generalization)",
+        "  clients_per_domain, proportions: how many clients each domain gets (default: equal)",
+        "domains (data.domains.transforms: one domain per recipe; `folder` datasets bring theirs):",
+        *transforms.describe(),
+    ]
+    return "\n".join(lines)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -41,6 +41,20 @@ class PartitionConfig:
 
 
 @dataclass(frozen=True)
+class DomainsConfig:
+    """Feature shift (`rayfl.data.domains`): clients in domains, on top of any label partition."""
+
+    # one domain per recipe, e.g. [identity, "rotate:90", "tint:red", "contrast:3"]; the list of
+    # recipes: `rayfl ls partitioners`. Empty: no transformation (a dataset's own domains apply)
+    transforms: tuple[str, ...] = ()
+    proportions: tuple[float, ...] | None = None  # share of clients per domain (None: equal)
+    # clients per domain, one count for all or one per domain (overrides proportions)
+    clients_per_domain: int | tuple[int, ...] | None = None
+    held_out: str | None = None  # a domain whose clients are only evaluated, never trained
+    noise: float = 0.0  # NIID-Bench feature skew: client i gets Gaussian noise, std noise*i/N
+
+
+@dataclass(frozen=True)
 class DataConfig:
     dataset: str = "fmnist"
     root: str | None = None  # None: $RAYFL_DATA or ~/.cache/rayfl/data
@@ -52,6 +66,7 @@ class DataConfig:
     public_fraction: float = 0.0  # held-out public / distillation split taken before partitioning
     train_samples: int | None = None  # seeded subset of the training set (None: all of it)
     options: dict[str, Any] = field(default_factory=dict)  # dataset-specific (e.g. synthetic sizes)
+    domains: DomainsConfig = field(default_factory=DomainsConfig)  # feature shift, domains
 
 
 @dataclass(frozen=True)

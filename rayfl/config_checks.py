@@ -285,6 +285,7 @@ def check(cfg: RunConfig) -> None:
         "driver runs the server in the driver's process, which reserves nothing; set "
         "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
     )
+    check_domains(cfg)
     check_ray_num_cpus(e)  # a private Ray too small for one worker fails only after its start
     if cfg.model.proportions is not None:
         require(
@@ -293,6 +294,35 @@ def check(cfg: RunConfig) -> None:
             "every proportion must be > 0",
         )
     check_feasible(cfg)
+
+
+def check_domains(cfg: RunConfig) -> None:
+    """`data.domains`: recipes, counts and the held-out domain, before any data is read."""
+    from rayfl.data import transforms
+    from rayfl.data.domains import client_counts
+
+    d = cfg.data.domains
+    require(d.noise >= 0, "data.domains.noise", f"must be >= 0 (got {d.noise})")
+    for i, recipe in enumerate(d.transforms):
+        transforms.parse(recipe, f"data.domains.transforms[{i}]")
+    if d.transforms:
+        client_counts(cfg.data.num_clients, d.transforms, d.proportions, d.clients_per_domain)
+    if d.held_out is not None:
+        require(
+            cfg.eval.protocol == "deployed",
+            "data.domains.held_out",
+            "held-out clients never train, so only eval.protocol=deployed scores them",
+        )
+        require(
+            not cfg.privacy.dp.enabled,
+            "data.domains.held_out",
+            "DP accounting assumes every client can be sampled; drop held_out or privacy.dp",
+        )
+        require(
+            not d.transforms or d.held_out in d.transforms,
+            "data.domains.held_out",
+            f"{d.held_out!r} is not one of data.domains.transforms",
+        )
 
 
 # Training-set size and classes of the built-in datasets, known without loading them, so that

@@ -24,6 +24,7 @@ _BUILTIN_MODULES = (
     "rayfl.data.datasets",
     "rayfl.data.cifar",
     "rayfl.data.tinyimagenet",
+    "rayfl.data.folder",
     "rayfl.data.partition",
     "rayfl.models.zoo",
     "rayfl.models.families",

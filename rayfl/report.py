@@ -5,9 +5,9 @@ artifact store. What is on it depends on the folder:
 
 - a run (`summary.json`): the final metrics (with the local-only baseline and gain when the run
   measured them), learning curves one metric per panel, personalized accuracy per architecture
-  as bars, the clients' label distribution, the config;
+  (and per domain, with `data.domains`) as bars, the clients' label distribution, the config;
 - a suite (`results.parquet` + `runs.parquet`): the comparison table, accuracy per architecture
-  group (table and bars), mean learning curves, every run with its status and error;
+  group and per domain (tables and bars), mean learning curves, every run with its status and error;
 - a sweep (`results.parquet` + `sweep.yaml`): the trials table, the best trial, the metric
   against each swept parameter.
 
@@ -171,10 +171,13 @@ def _arch_bars(
     path: Path,
     title: str = "",
     errors: Mapping[str, Mapping[str, float]] | None = None,
+    xlabel: str = "architecture",
 ) -> Path:
     from rayfl.tracking.plots import plot_bars
 
-    return plot_bars(groups, path, ylabel="personalized accuracy", title=title, errors=errors)
+    return plot_bars(
+        groups, path, ylabel="personalized accuracy", title=title, errors=errors, xlabel=xlabel
+    )
 
 
 def run_report(run_dir: Path) -> str:
@@ -222,6 +225,21 @@ def run_report(run_dir: Path) -> str:
             (
                 "Personalized accuracy per architecture",
                 table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
+            )
+        )
+    domain = {
+        k.split("domain=", 1)[1]: v
+        for k, v in final.items()
+        if k.startswith("personal/acc/domain=") and v is not None
+    }
+    if domain:
+        groups = {algo: domain}
+        body = [[d, v] for d, v in sorted(domain.items())]
+        sections.append(
+            (
+                "Personalized accuracy per domain",
+                table(["domain", algo], body)
+                + figure(partial(_arch_bars, groups, xlabel="domain"), "per domain"),
             )
         )
     if is_file(run_dir / "label_distribution.png"):
@@ -272,6 +290,7 @@ def run_links(run_dir: Path, page_dir: Path, mlflow_id: str, text: str = "") -> 
 def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
     from rayfl.compare import (
         ARCH_PREFIX,
+        DOMAIN_PREFIX,
         PERSONAL,
         aggregate,
         arch_rows,
@@ -292,23 +311,25 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
         rows = [r for r in results if r["setting"] == setting]
         suffix = f" ({setting})" if setting else ""
         sections.append((f"Comparison{suffix}", table(*table_rows(rows))))
-        header, body = arch_rows(rows)
-        if header:
+        for prefix, what in ((ARCH_PREFIX, "architecture group"), (DOMAIN_PREFIX, "domain")):
+            header, body = arch_rows(rows, prefix)
+            if not header:
+                continue
             groups, errors = {}, {}
             for r in rows:
                 archs = header[1:]
                 groups[r["label"]] = {
-                    a: v for a in archs if (v := r.get(mean_col(ARCH_PREFIX + a))) is not None
+                    a: v for a in archs if (v := r.get(mean_col(prefix + a))) is not None
                 }
                 errors[r["label"]] = {
-                    a: v for a in archs if (v := r.get(std_col(ARCH_PREFIX + a))) is not None
+                    a: v for a in archs if (v := r.get(std_col(prefix + a))) is not None
                 }
-            draw = partial(_arch_bars, groups, errors=errors)
+            draw = partial(_arch_bars, groups, errors=errors, xlabel=what.split()[0])
             sections.append(
                 (
-                    f"Personalized accuracy per architecture group{suffix}",
+                    f"Personalized accuracy per {what}{suffix}",
                     table(header, body)
-                    + figure(draw, "per architecture")
+                    + figure(draw, f"per {what}")
                     + '<p class="note">bars: mean over seeds; whiskers: std over seeds</p>',
                 )
             )

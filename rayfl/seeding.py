@@ -40,6 +40,10 @@ class Purpose(IntEnum):
     DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
     DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)
     POISSON_SAMPLE = 10  # `engine.sampling=poisson`'s draw: (seed, round, attempt, POISSON_SAMPLE)
+    # `data.domains`' transformations and noise: a client's (seed, client, DATA_SHIFT), the
+    # server test set's (seed, DATA_SHIFT)
+    DATA_SHIFT = 11
+    DATA_DOMAIN = 12  # a multi-domain dataset's per-domain partition: (seed, domain, DATA_DOMAIN)
     DEVICE_TIER = 20  # clients drawn into device tiers (`devices.proportions`): (seed, DEVICE_TIER)
     DEVICE_AVAILABLE = 21  # a device's availability: (seed, round, client, DEVICE_AVAILABLE)
     DEVICE_DROPOUT = 22  # a device dropping out mid-training: (seed, round, client, DEVICE_DROPOUT)

@@ -21,11 +21,19 @@ def streams() -> dict[tuple[int, ...], set[str]]:
 
     for s in SEEDS:
         add("partitioner", (s,))  # partitioners draw `default_rng(seed)`
-        for p in (Purpose.SERVER, Purpose.DATA_SUBSET, Purpose.DATA_PUBLIC, Purpose.DEVICE_TIER):
+        for p in (
+            Purpose.SERVER,
+            Purpose.DATA_SUBSET,
+            Purpose.DATA_PUBLIC,
+            Purpose.DATA_SHIFT,
+            Purpose.DEVICE_TIER,
+        ):
             add(p.name, words(p, s))
         for c in CLIENTS:
             add("INIT", words(Purpose.INIT, s, client=c))
             add("DATA_SPLIT", words(Purpose.DATA_SPLIT, s, client=c))
+            add("DATA_SHIFT", words(Purpose.DATA_SHIFT, s, client=c))
+            add("DATA_DOMAIN", words(Purpose.DATA_DOMAIN, s, client=c))
         for r in ROUNDS:
             add("SERVER", words(Purpose.SERVER, s, r))
             add("SERVER_DATA", server_data_words(s, r))

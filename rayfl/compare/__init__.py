@@ -51,6 +51,7 @@ from rayfl.compare.execute import (
 )
 from rayfl.compare.results import (
     ARCH_PREFIX,
+    DOMAIN_PREFIX,
     GAIN,
     PERSONAL,
     aggregate,
@@ -69,6 +70,7 @@ from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
 
 __all__ = [
     "ARCH_PREFIX",
+    "DOMAIN_PREFIX",
     "GAIN",
     "PERSONAL",
     "Suite",

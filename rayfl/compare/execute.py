@@ -16,6 +16,7 @@ from typing import Any
 
 from rayfl.compare.results import (
     ARCH_PREFIX,
+    DOMAIN_PREFIX,
     PERSONAL,
     _final_row,
     aggregate,
@@ -449,7 +450,7 @@ def _run_locked(
             for k, v in agg.items()
             if k.endswith(suffix)
             and v is not None
-            and (k.endswith(mean_col("/acc")) or k.startswith(ARCH_PREFIX))
+            and (k.endswith(mean_col("/acc")) or k.startswith((ARCH_PREFIX, DOMAIN_PREFIX)))
         }
         parent.log_metrics(accs, step=0)
     for artifact in artifacts:

@@ -14,6 +14,7 @@ from rayfl.compare.suite import Suite, SuiteRun
 
 PERSONAL = "personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
+DOMAIN_PREFIX = "personal/acc/domain="  # a federation with domains (`data.domains`)
 
 
 def _final_row(run: SuiteRun, result: Any, wall_s: float, run_dir: Path) -> dict[str, Any]:
@@ -199,20 +200,23 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
     return header, body
 
 
-def arch_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Personalized accuracy per architecture group as (header, rows); no columns when none."""
+def arch_rows(
+    results: Sequence[Mapping[str, Any]], prefix: str = ARCH_PREFIX
+) -> tuple[list[str], list[list[str]]]:
+    """Personalized accuracy per architecture group (or per domain, with `DOMAIN_PREFIX`) as
+    (header, rows); no columns when none."""
     suffix = mean_col("")
     archs = sorted(
         {
-            k[len(ARCH_PREFIX) : -len(suffix)]
+            k[len(prefix) : -len(suffix)]
             for r in results
             for k in r
-            if k.startswith(ARCH_PREFIX) and k.endswith(suffix)
+            if k.startswith(prefix) and k.endswith(suffix)
         }
     )
     if not archs:
         return [], []
-    body = [[agg["label"], *(_pm(agg, ARCH_PREFIX + a) for a in archs)] for agg in results]
+    body = [[agg["label"], *(_pm(agg, prefix + a) for a in archs)] for agg in results]
     return ["algorithm", *archs], body
 
 
@@ -247,11 +251,12 @@ def format_results(
         if setting:
             lines.append(f"setting {setting}")
         lines += render(*table_rows(rows))
-        header, body = arch_rows(rows)
-        if header:
-            lines.append("")
-            lines.append("  personalized accuracy per architecture group")
-            lines += render(header, body)
+        for prefix, what in ((ARCH_PREFIX, "architecture group"), (DOMAIN_PREFIX, "domain")):
+            header, body = arch_rows(rows, prefix)
+            if header:
+                lines.append("")
+                lines.append(f"  personalized accuracy per {what}")
+                lines += render(header, body)
     if failed:
         lines.append("")
         lines.append(f"  {len(failed)} run(s) FAILED (rerun the same command to retry them):")

@@ -11,14 +11,18 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rayfl.data.datasets import ArrayDataset
+from rayfl.data.domains import plan_for
 from rayfl.errors import ConfigError, suggest
 from rayfl.registry import PARTITIONERS
 from rayfl.seeding import Purpose, rng_of, words
+
+if TYPE_CHECKING:
+    from rayfl.config import DomainsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +60,16 @@ class Federation:
         dataset: the underlying arrays.
         clients: one `ClientSplit` per client, in client-id order.
         public: indices into `dataset.x_train` that no client holds (for distillation / FedMD).
+        client_domain: each client's domain name (`data.domains`, `rayfl.data.domains`), or
+            None when the federation has no domains.
+        eval_only: clients of a held-out domain: evaluated, never sampled for training.
     """
 
     dataset: ArrayDataset
     clients: tuple[ClientSplit, ...]
     public: np.ndarray
+    client_domain: tuple[str, ...] | None = None
+    eval_only: tuple[int, ...] = ()
 
     @property
     def num_clients(self) -> int:
@@ -144,6 +153,7 @@ def build_federation(
     test_fraction: float = 0.2,
     public_fraction: float = 0.0,
     train_samples: int | None = None,
+    domains: DomainsConfig | None = None,
 ) -> Federation:
     """Split `dataset.x_train` over clients, deterministically in `seed`.
 
@@ -161,6 +171,9 @@ def build_federation(
         test_fraction: share of each client's samples used as its local test split, in [0, 1).
         public_fraction: share of the (subset) training samples held out as public, in [0, 1).
         train_samples: size of the training subset; None uses every training sample.
+        domains: `data.domains`: clients in domains and feature skew (`rayfl.data.domains`),
+            applied after step (4) on copies of the arrays; a dataset with its own domains is
+            partitioned per domain in step (3).
 
     Returns:
         The federation (index arrays only; the data stays in `dataset`).
@@ -198,7 +211,13 @@ def build_federation(
     private = np.sort(order[n_public:]).astype(np.int64)
 
     # (3) the partition, over positions in `private`, mapped back to dataset indices
-    parts = fn(dataset.y_train[private], num_clients, seed, **options)
+    plan = plan_for(domains, dataset, num_clients)
+    if plan is None:
+        parts = fn(dataset.y_train[private], num_clients, seed, **options)
+    else:
+        own = getattr(dataset, "domain_train", None)
+        domain_of = None if own is None else own[private]
+        parts = plan.partition(fn, dataset.y_train[private], domain_of, seed, options)
 
     # (4) per-client stratified train/test split; each client has its own stream so one client's
     # split does not depend on the others'.
@@ -212,6 +231,8 @@ def build_federation(
         for cid, part in enumerate(parts)
     )
     fed = Federation(dataset=dataset, clients=clients, public=public)
+    if plan is not None:  # the inputs' feature shift, once, on copies of the arrays
+        fed = plan.apply(fed, seed)
     sizes = [c.num_samples for c in clients]
     logger.info(
         "%s: %d clients (%s), train sizes %d..%d, %d public",

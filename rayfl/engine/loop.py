@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ def prepare_federation(cfg: RunConfig) -> Federation:
         test_fraction=cfg.data.test_fraction,
         public_fraction=cfg.data.public_fraction,
         train_samples=cfg.data.train_samples,
+        domains=cfg.data.domains,
     )
 
 
@@ -113,12 +115,16 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
 
 
 def summarize_clients(
-    rows: list[ClientMetrics], evaluated: list[ClientMetrics] | None = None
+    rows: list[ClientMetrics],
+    evaluated: list[ClientMetrics] | None = None,
+    client_domain: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, extras.
+    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, per
+    domain, extras.
 
     `rows` are the participants' fit rows (training metrics, and accuracy under `after_fit`);
-    `evaluated`, when given, are the evaluation phase's rows (`deployed`) and the only ones scored.
+    `evaluated`, when given, are the evaluation phase's rows (`deployed`) and the only ones scored;
+    `client_domain`, when given, each client's domain (`Federation.client_domain`).
     """
     out: dict[str, float] = {}
     # completion order varies with workers; summing in client order keeps every bit the same
@@ -142,6 +148,8 @@ def summarize_clients(
         for arch, pairs in sorted(by_arch.items()):
             a, w = np.array(pairs).T
             out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
+        if client_domain is not None:
+            out.update(_domain_summary(scored, client_domain))
         if all("baseline_acc" in r for r in scored):
             out.update(_baseline_summary(scored, out["personal/acc"]))
         skip = {"client", "arch", "acc", "baseline_acc", "num_test", "num_train"}
@@ -157,6 +165,20 @@ def summarize_clients(
         v, w = np.array(vals).T
         out[key] = float((v * w).sum() / w.sum())
     out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
+    return out
+
+
+def _domain_summary(scored: list[ClientMetrics], client_domain: Sequence[str]) -> dict[str, float]:
+    """`personal/acc/domain=<name>` (weighted like `personal/acc`) per domain scored, and the
+    worst of them, `personal/acc_worst_domain`."""
+    by_domain: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in scored:
+        by_domain[client_domain[int(r["client"])]].append((r["acc"], r["num_test"]))
+    out: dict[str, float] = {}
+    for name, pairs in sorted(by_domain.items()):
+        a, w = np.array(pairs).T
+        out[f"personal/acc/domain={name}"] = float((a * w).sum() / w.sum())
+    out["personal/acc_worst_domain"] = min(out.values())
     return out
 
 
@@ -317,6 +339,18 @@ class Simulation:
         self.start_round = restored.round + 1
         log.info("resumed after round %d", restored.round)
 
+    def _sample(self, rnd: int) -> list[int]:
+        """This round's clients. A held-out domain's clients (`Federation.eval_only`) are never
+        drawn: the draw is over the others, by position, at most all of them."""
+        cfg, held = self.cfg, set(self.federation.eval_only)
+        if not held:
+            return sample_clients(
+                cfg.seed, rnd, cfg.data.num_clients, self.per_round, cfg.engine.sampling
+            )
+        pool = [c for c in range(cfg.data.num_clients) if c not in held]
+        k = min(self.per_round, len(pool))
+        return [pool[i] for i in sample_clients(cfg.seed, rnd, len(pool), k, cfg.engine.sampling)]
+
     def run_round(self, rnd: int, comm: dict[str, float]) -> dict[str, float] | None:
         """One round. Its row reaches the history and the callbacks once its server evaluation
         is in: with `engine.pipeline_eval` that is after the next round's clients have trained
@@ -326,9 +360,7 @@ class Simulation:
         cfg, ex = self.cfg, self.executor
         start = time.perf_counter()
         evaluate = rnd % cfg.engine.eval_every == 0 or rnd == cfg.engine.rounds
-        clients = sample_clients(
-            cfg.seed, rnd, cfg.data.num_clients, self.per_round, cfg.engine.sampling
-        )
+        clients = self._sample(rnd)
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(rnd, archs)
         received = clients  # who downloaded the broadcast
@@ -369,7 +401,7 @@ class Simulation:
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
-        row.update(summarize_clients(client_rows, eval_rows))
+        row.update(summarize_clients(client_rows, eval_rows, self.federation.client_domain))
         row.update(server_metrics)
         if rnd == self.start_round:
             row.update(self.clock.metrics())

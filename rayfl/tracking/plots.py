@@ -199,6 +199,7 @@ def plot_bars(
     ylabel: str,
     title: str = "",
     errors: Mapping[str, Mapping[str, float]] | None = None,
+    xlabel: str = "architecture",
 ) -> Path:
     """Grouped bars: one group per category (e.g. architecture), one bar per series (e.g.
     algorithm, or pFedES beside the local-only baseline). The figure is at most
@@ -212,6 +213,7 @@ def plot_bars(
         ylabel: Label of the y axis.
         title: Axes title.
         errors: ``{series: {category: std}}`` drawn as error bars.
+        xlabel: what the categories are (e.g. ``domain``).
 
     Returns:
         ``path`` as a Path.
@@ -239,7 +241,7 @@ def plot_bars(
         rotation=30 if rotate else 0,
         ha="right" if rotate else "center",
     )
-    ax.set_xlabel("architecture")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     finite = [v for values in groups.values() for v in values.values() if _finite(v) is not None]
     if finite:
