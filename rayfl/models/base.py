@@ -43,10 +43,25 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
     than NCHW on one thread (1.55 s against 2.5 s for 100 batches of 64, torch 2.14) and score
     it 1.7x faster; NCHW's max-pool alone was half of the forward pass. The layout changes the
     order of the convolutions' sums, so results differ from NCHW in float rounding only
-    (one SGD step agrees within 1e-6). GPUs keep their default layout."""
-    if torch.device(device).type == "cpu":
+    (one SGD step agrees within 1e-6). GPUs keep their default layout.
+
+    Only models whose convolutions all have channel counts that are multiples of 8 (after the
+    input's) go channels-last: oneDNN's channels-last convolutions corrupted the heap while
+    training width-sliced ResNets with 6, 13 or 51 channels (torch 2.14 on an AVX2-only CPU;
+    NCHW trains them correctly), and 8 is the block width its AVX2 kernels use."""
+    if torch.device(device).type == "cpu" and _blocked_channels(module):
         return module.to(device).to(memory_format=torch.channels_last)
     return module.to(device)
+
+
+def _blocked_channels(module: nn.Module) -> bool:
+    """Whether every convolution's output channels, and its input channels past the first
+    convolution (which reads the image), are multiples of 8."""
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
+    return all(
+        c.out_channels % 8 == 0 and (i == 0 or c.in_channels % 8 == 0)
+        for i, c in enumerate(convs)
+    )
 
 
 def build_model(arch: str, in_shape: Sequence[int], num_classes: int) -> SplitModel:
