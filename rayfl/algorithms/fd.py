@@ -10,12 +10,15 @@ logits towards the federation's mean logits of its label `G[y]`:
 The defaults are HtFLlib's (TsingZ0/HtFLlib `system/flcore/clients/clientfd.py` and
 `system/flcore/servers/serverfd.py`, run as `FD -lam 1` in `system/total.sh`), the code the docs
 cite for FD:
-- `loss: ce` (HtFLlib since commit ca3e29a, clientfd.py:46-52): `D` is `nn.CrossEntropyLoss`
-  with the averaged logits themselves as the soft target, `-sum_c G[y]_c log softmax(f(x))_c`
-  (batch mean). It is not bounded below (a negative target entry rewards pushing that class's
-  probability to zero), which is why earlier HtFLlib versions used the other two:
-  `ce_softmax` (commits bf60d9a-17f851e): the target is `softmax(G[y])`; `mse` (up to commit
-  cae12a2): `nn.MSELoss(G[y], f(x))`, the squared distance averaged over the batch and classes.
+- `loss: ce_softmax` (HtFLlib from commit bf60d9a to 17f851e, `clientfd.py:52` there):
+  `D` is `nn.CrossEntropyLoss` with the softmax of the label's averaged logits as the soft
+  target, `-sum_c softmax(G[y])_c log softmax(f(x))_c` (batch mean). The current HtFLlib
+  (commit ca3e29a on, clientfd.py:52) drops the softmax, `loss: ce`: the raw averaged logits
+  are the target, which is not bounded below (a negative target entry rewards pushing that
+  class's probability to zero); on Fashion-MNIST with HtFLlib's settings every client's model
+  turns non-finite by round 3 (docs/results.md, "Peer checks against HtFLlib"), so rayfl keeps
+  it as an option and defaults to the bounded version before it. `mse` (HtFLlib up to commit
+  cae12a2): `nn.MSELoss(G[y], f(x))`, the squared distance averaged over batch and classes.
   For a sample whose label has no global entry yet, HtFLlib's target is the sample's own detached
   logits (clientfd.py:47-51): zero for `mse`, a self-distillation term for the two CEs; rayfl does
   the same.
@@ -60,14 +63,15 @@ from rayfl.algorithms.fml import check_choice
 from rayfl.errors import require
 from rayfl.registry import ALGORITHMS
 
-LOSSES = ("ce", "ce_softmax", "mse")
+LOSSES = ("ce_softmax", "ce", "mse")
 
 
 @dataclass(frozen=True)
 class FDParams:
     gamma: float = 1.0  # weight of the distillation term (HtFLlib -lam 1)
-    # distillation term: CE to the raw global logits (HtFLlib), CE to their softmax, or MSE
-    loss: Literal["ce", "ce_softmax", "mse"] = "ce"
+    # distillation term: CE to the softmax of the global logits (HtFLlib until ca3e29a), CE to
+    # the raw global logits (HtFLlib since; unbounded, diverges) or MSE (HtFLlib's first)
+    loss: Literal["ce_softmax", "ce", "mse"] = "ce_softmax"
     # class logits of the training steps (HtFLlib) or of an eval pass after training
     collect: Literal["train", "after"] = "train"
     # global logits: unweighted mean over clients (HtFLlib) or weighted by class counts

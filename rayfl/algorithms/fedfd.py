@@ -15,7 +15,9 @@ ensemble of the round's client models into its full-width global model on the pu
   of the group's client extractors are averaged, `e^d = mean_{k in S_d} f(w_k; x)`; the global
   features z are projected into group d's feature space by that group's projection `M_d`; the
   loss is the mean over groups of `T^2 KL(softmax(e^d / T) || softmax(M_d z / T))` (softmax over
-  feature dimensions).
+  feature dimensions). As in the paper's server loss (a sum over groups 2..m divided by m - 1),
+  the group of the global model's own width is left out and has no projection; `self_group:
+  true` distils from it too, through a learnable rotation (the mean then runs over m groups).
 - `distill=logit` (FedDF-style; FedFD's "logit distillation" comparison): the teacher is the
   average of all client models' logits, the loss `T^2 KL(softmax(teacher / T) || softmax(g(x) / T))`.
 - `distill=both`: the sum of the two.
@@ -100,6 +102,8 @@ class FedFDParams(HeteroFLParams):
         momentum: SGD momentum of the distillation optimizer.
         T: softmax temperature over feature dimensions (and logits).
         batch_size: distillation minibatch size; null takes `train.batch_size`.
+        self_group: also distil from the clients of the global model's own width (the paper
+            leaves that group out).
     """
 
     distill: Literal["feature", "logit", "both"] = "feature"
@@ -110,6 +114,7 @@ class FedFDParams(HeteroFLParams):
     momentum: float = 0.9
     T: float = 1.0
     batch_size: int | None = None
+    self_group: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -273,7 +278,7 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         d_global = self.model.feature_dim
         self.projections = nn.ModuleDict()
         if params.distill in ("feature", "both"):
-            for arch in ctx.architectures:
+            for arch in filter(self._feature_group, ctx.architectures):
                 self.projections[arch] = build_projection(
                     params.projection, d_global, self.feature_dims[arch], arch
                 ).to(ctx.device)
@@ -287,6 +292,10 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         return metrics
 
     # -- distillation ----------------------------------------------------------------------------
+    def _feature_group(self, arch: str) -> bool:
+        """Whether clients of `arch` are a feature-distillation group (see `self_group`)."""
+        return self.params.self_group or resnet_width(arch) != resnet_width(self.params.global_arch)
+
     def _extractor(self, arch: str) -> SplitModel:
         if arch not in self._extractors:
             ctx = self.ctx
@@ -310,7 +319,7 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             load_numpy(model, reply.payload)
             model.eval()
             f = torch.cat([model.features(x) for x in batches])
-            if want_features:
+            if want_features and self._feature_group(reply.arch):
                 feats[reply.arch] = feats[reply.arch] + f if reply.arch in feats else f
                 counts[reply.arch] = counts.get(reply.arch, 0) + 1
             if want_logits:
@@ -340,6 +349,8 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             )
             return {}
         feats, logits = self._targets(batches, replies)
+        if not feats and logits is None:  # only full-width clients, and they are no group
+            return {}
         x_all = torch.cat(batches)
         total = {"loss": 0.0, "feature": 0.0, "logit": 0.0}
 

@@ -90,3 +90,35 @@ def test_runs_without_a_common_feature_size(synthetic_raw, tmp_path):
     assert np.isfinite(final["personal/acc"]) and final["fd/classes_known"] == 10.0
     # every client uploads C x C means + C counts as float32
     assert final["comm/bytes_up"] == 6 * (10 * 10 + 10) * 4
+
+
+def test_uploads_htfllibs_training_step_logits_as_presence():
+    # HtFLlib clientfd.py:54-56: the class logits are those of the training forward passes (one
+    # batch holding every sample: the model before its only update); serverfd.py averages them
+    # over clients, which the 0/1 presence counts give the server's count-weighted mean.
+    from rayfl.algorithms.protos import class_means
+    from rayfl.data.datasets import load_dataset
+    from rayfl.engine.training import LocalTrainer
+
+    ds = load_dataset("synthetic", num_samples=120, num_test=20, shape=SHAPE, num_classes=2)
+    settings = TrainConfig(batch_size=100, lr=0.5, momentum=0.0, local_epochs=1)
+    trainer = LocalTrainer(
+        ds, np.arange(100), np.arange(100, 120), settings, CPU, torch.Generator().manual_seed(0)
+    )
+    torch.manual_seed(0)
+    client = FDClient(ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()), FDParams())
+    client.model.train()
+    before = class_means(client.model, trainer.batches("train"), 2)
+    client.fit(trainer)
+    up = client.upload()
+    np.testing.assert_allclose(up["means"], before["means"], atol=1e-6)
+    np.testing.assert_array_equal(up["counts"], np.ones(2, np.float32))
+    after = FDClient(
+        ClientContext("tiny_a", SHAPE, 2, CPU, TrainConfig()),
+        FDParams(collect="after", average="samples"),
+    )
+    after.model.load_state_dict(client.model.state_dict())
+    trained = class_means(after.model.eval(), trainer.batches("train"), 2)
+    assert np.abs(up["means"] - trained["means"]).max() > 1e-3
+    with pytest.raises(Exception, match="algorithm.loss"):
+        FDParams(loss="kl")
