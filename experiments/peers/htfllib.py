@@ -265,10 +265,14 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     raw = rayfl_config(a)
     work = Path(tempfile.mkdtemp(prefix=f"peer-{a.algo}-", dir=a.dest))
     sim = Simulation(build_config(raw), work / "rayfl")
-    result = sim.run()
+    failed = None
+    try:
+        sim.run()
+    except Exception as exc:  # e.g. a diverging loss: every reply non-finite
+        failed = f"{type(exc).__name__}: {exc}"
     save_partition(sim.federation, work / "rayfl")  # what a CLI run's directory holds
     (work / "rayfl" / "config.yaml").write_text(json.dumps(raw))  # JSON is YAML
-    ours = [h["personal/acc"] for h in result.history if "personal/acc" in h]
+    ours = [h["personal/acc"] for h in sim.result.history if "personal/acc" in h]
     dataset = f"rayfl_{a.algo}_{a.dataset}_s{a.seed}"
     convert(work / "rayfl", a.dest / "dataset" / dataset)
     family = list(get_family(a.family).architectures)
@@ -277,8 +281,11 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--algo", a.algo, "--family", *family, "--", "--global_rounds", str(a.rounds)]
     cmd += flags + a.htfllib_flags
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    theirs = json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"HtFLlib's run failed ({done.returncode})")
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
     # HtFLlib evaluates before each round: entry r is after r rounds (entry 0: untrained)
     row = {
         "algo": a.algo,
@@ -289,6 +296,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "htfllib_commit": (a.dest / "COMMIT").read_text().strip(),
         "rayfl": ours,
         "htfllib": theirs[1 : a.rounds + 1],
+        "rayfl_failed": failed,
     }
     return row
 

@@ -5,8 +5,14 @@ The FedFD server (`rayfl.algorithms.fedfd`) with averaged-logit distillation: af
 sliced aggregation, the global model learns `T^2 KL(softmax(teacher / T) || softmax(g(x) / T))`
 on the public split, the teacher being the mean of the round's client models' logits.
 
-Deliberate difference from the paper (as in FedFD's comparison): FedDF distils one prototype
-model per architecture; here the single global model is distilled and clients get its slices.
+This is FedDF as the FedFD paper compares it, not the official FedDF code's own recipe
+(epfml/federated-learning-public-code, `codes/FedDF-code/pcode/aggregation/
+noise_knowledge_transfer.py`): that server distils one prototype model per architecture with
+Adam at 1e-3 under a cosine schedule over up to 10,000 batches of 128, clips gradients at 5,
+scores a labelled validation set every 100 batches, stops after 1,000 without gain and keeps
+the best model. Here the single global model is distilled for `steps` minibatches per round by
+the FedFD server's optimizer (`optimizer: adam`, `lr: 0.001`, `batch_size: 128` give the
+official one; its schedule and early stopping are not implemented) and clients get its slices.
 
 Shares: the client's slice of the global model (down), the trained slice (up).
 Keeps local: nothing.
