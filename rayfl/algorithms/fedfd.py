@@ -43,7 +43,7 @@ Server: per-entry sliced averaging (HeteroFL), then ensemble feature / logit dis
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -335,6 +335,29 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             self.ctx.train, optimizer=p.optimizer, lr=p.lr, momentum=p.momentum, grad_clip=None
         )
 
+    def distil(
+        self,
+        data: ServerData,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tensors: tuple[torch.Tensor, torch.Tensor],
+        size: int,
+        steps: int | None = None,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """`steps` (default `params.steps`) minibatches of distillation of the global model and
+        the projections at `lr` (default `params.lr`); returns extra metrics (none here)."""
+        settings = self._settings()
+        data.run(
+            step,
+            [self.model, self.projections],
+            steps=self.params.steps if steps is None else steps,
+            params=list(self.model.parameters()) + list(self.projections.parameters()),
+            settings=settings if lr is None else replace(settings, lr=lr),
+            data=tensors,
+            batch_size=size,
+        )
+        return {}
+
     def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         replies, self._replies = self._replies, []
         p = self.params
@@ -352,7 +375,7 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         if not feats and logits is None:  # only full-width clients, and they are no group
             return {}
         x_all = torch.cat(batches)
-        total = {"loss": 0.0, "feature": 0.0, "logit": 0.0}
+        total = {"loss": 0.0, "feature": 0.0, "logit": 0.0, "steps": 0.0}
 
         def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             # `y` is each sample's index into the round's targets
@@ -369,27 +392,22 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
                 loss = loss + l_loss
                 total["logit"] += float(l_loss.detach())
             total["loss"] += float(loss.detach())
+            total["steps"] += 1
             return loss
 
         index = torch.arange(len(x_all), device=x_all.device)
-        data.run(
-            step,
-            [self.model, self.projections],
-            steps=p.steps,
-            params=list(self.model.parameters()) + list(self.projections.parameters()),
-            settings=self._settings(),
-            data=(x_all, index),
-            batch_size=size,
-        )
+        extra = self.distil(data, step, (x_all, index), size)
         self.model.eval()
         prefix = self.metric_prefix
+        n = max(total["steps"], 1.0)
         metrics = {
-            f"{prefix}/distill_loss": total["loss"] / p.steps,
+            f"{prefix}/distill_loss": total["loss"] / n,
             f"{prefix}/groups": float(len({r.arch for r in replies})),
         }
         if p.distill == "both":
-            metrics[f"{prefix}/feature_loss"] = total["feature"] / p.steps
-            metrics[f"{prefix}/logit_loss"] = total["logit"] / p.steps
+            metrics[f"{prefix}/feature_loss"] = total["feature"] / n
+            metrics[f"{prefix}/logit_loss"] = total["logit"] / n
+        metrics.update({f"{prefix}/{k}": v for k, v in extra.items()})
         if len(self.projections):
             metrics[f"{prefix}/orth_error"] = max(
                 orthogonality_error(m) for m in self.projections.values()

@@ -271,3 +271,34 @@ def test_refuses_a_run_without_public_data(synthetic_raw, tmp_path):
     raw["model"] = {"architectures": ["resnet18_w1"]}
     with pytest.raises(ConfigError, match="public"):
         Simulation(build_config(raw), tmp_path)
+
+
+def test_feddf_cosine_rate_and_early_stopping_keep_the_best_model(monkeypatch):
+    from rayfl.algorithms.feddf import FedDFServer, cosine_lr
+
+    assert cosine_lr(1e-3, 0, 100) == pytest.approx(1e-3)
+    assert cosine_lr(1e-3, 50, 100) == pytest.approx(5e-4)
+    archs = ("resnet18_w1", "resnet18_w2")
+    params = FedDFParams(
+        global_arch="resnet18_w2", steps=8, lr=0.05, patience=4, eval_every=2, schedule="cosine"
+    )
+    torch.manual_seed(0)
+    server = FedDFServer(server_ctx(archs), params)
+    server.aggregate([Reply(i, a, 5, client_payload(a, 10 + i)) for i, a in enumerate(archs)], RND)
+    scores = iter([0.5, 0.7, 0.6, 0.6, 0.9])  # after 2, 4, 6, 8 steps: best at 4, stop at 8
+    rates, states = [], []
+    run = FakeServerData.run
+
+    def spy(self, step, modules, **kw):
+        rates.append(kw["settings"].lr)
+        out = run(self, step, modules, **kw)
+        states.append({k: v.clone() for k, v in server.model.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(FakeServerData, "run", spy)
+    monkeypatch.setattr(FedDFServer, "public_accuracy", lambda self, data: next(scores))
+    metrics = server.update(FakeServerData(torch.randn(20, *IN_SHAPE)), RND)
+    assert metrics["feddf/steps"] == 8.0 and metrics["feddf/best_step"] == 4.0
+    assert rates == pytest.approx([cosine_lr(0.05, d, 8) for d in (0, 2, 4, 6)])
+    for k, v in server.model.state_dict().items():  # the model after 4 steps is kept
+        torch.testing.assert_close(v, states[1][k])
