@@ -291,6 +291,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "algo": a.algo,
         "dataset": a.dataset,
         "seed": a.seed,
+        "command": "python3 experiments/peers/htfllib.py " + " ".join(sys.argv[1:]),
         "config": raw,
         "htfllib_flags": flags + a.htfllib_flags,
         "htfllib_commit": (a.dest / "COMMIT").read_text().strip(),

@@ -15,13 +15,10 @@ TOLERANCE = 1.5  # points: the agreement asked of a peer check at the same round
 
 COMMAND = (
     "PYTHONPATH=$PWD python3 experiments/peers/htfllib.py install "
-    "/path/to/TsingZ0+HtFLlib/repo /tmp/htfl [--commit 17f851e]; "
-    "/tmp/venv/bin/pip install h5py (a venv with --system-site-packages); then "
-    "PYTHONPATH=$PWD nice -n 19 python3 experiments/peers/htfllib.py compare --algo ALGO "
-    "--dest /tmp/htfl --python /tmp/venv/bin/python --clients 10 --rounds 5 --seed 0 "
-    "--train-samples 6000 --dataset fmnist|synthetic [--num-classes 100 --side 16] "
-    "--out docs/results/peers/htfllib.jsonl (FedKD: --htfllib-flags --T_start 0.9999 "
-    "--T_end 0.9999; FD against HtFLlib at commit 17f851e)"
+    "<fetched TsingZ0/HtFLlib git dir> /tmp/i43/htfl (FD: a second copy at --commit 17f851e in "
+    "/tmp/i43/htfl-17f851e); python3 -m venv --system-site-packages /tmp/i43/venv; "
+    "/tmp/i43/venv/bin/pip install h5py; then each row's command with PYTHONPATH=$PWD "
+    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/htfllib.jsonl"
 )
 
 
@@ -60,7 +57,7 @@ def section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         f"the runs agree in distribution only; the target is {TOLERANCE} points at the same "
         "round.",
         "",
-        f"- Command: `{COMMAND}`.",
+        f"- Setup: `{COMMAND}`.",
         "",
     ]
     for row in rows:
@@ -74,6 +71,8 @@ def section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"flags: `{' '.join(row['htfllib_flags'])}`; HtFLlib commit "
             f"`{row['htfllib_commit'][:7]}`; seed {row['seed']}.",
         ]
+        if row.get("command"):
+            out.append(f"- Command: `{row['command']}`.")
         if row.get("note"):
             out.append(f"- {row['note']}")
         if row.get("rayfl_failed"):
