@@ -344,7 +344,13 @@ def main() -> None:
     p.add_argument("--params", default="{}", help="JSON of rayfl algorithm options")
     p.add_argument("--htfllib-flags", nargs="*", default=[], help="extra main.py flags")
     p.add_argument("--out", type=Path, help="append the JSON row to this file")
-    a = ap.parse_args()
+    a, unknown = ap.parse_known_args()
+    if unknown and a.cmd != "compare":
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if (
+        unknown
+    ):  # main.py flags after --htfllib-flags, e.g. --T_start 0.9999 (they look like options)
+        a.htfllib_flags = a.htfllib_flags + unknown
     if a.cmd == "convert":
         print(json.dumps(convert(a.run_dir, a.out)))
     elif a.cmd == "install":
