@@ -15,7 +15,9 @@ ensemble of the round's client models into its full-width global model on the pu
   of the group's client extractors are averaged, `e^d = mean_{k in S_d} f(w_k; x)`; the global
   features z are projected into group d's feature space by that group's projection `M_d`; the
   loss is the mean over groups of `T^2 KL(softmax(e^d / T) || softmax(M_d z / T))` (softmax over
-  feature dimensions).
+  feature dimensions). As in the paper's server loss (a sum over groups 2..m divided by m - 1),
+  the group of the global model's own width is left out and has no projection; `self_group:
+  true` distils from it too, through a learnable rotation (the mean then runs over m groups).
 - `distill=logit` (FedDF-style; FedFD's "logit distillation" comparison): the teacher is the
   average of all client models' logits, the loss `T^2 KL(softmax(teacher / T) || softmax(g(x) / T))`.
 - `distill=both`: the sum of the two.
@@ -41,7 +43,7 @@ Server: per-entry sliced averaging (HeteroFL), then ensemble feature / logit dis
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -100,6 +102,8 @@ class FedFDParams(HeteroFLParams):
         momentum: SGD momentum of the distillation optimizer.
         T: softmax temperature over feature dimensions (and logits).
         batch_size: distillation minibatch size; null takes `train.batch_size`.
+        self_group: also distil from the clients of the global model's own width (the paper
+            leaves that group out).
     """
 
     distill: Literal["feature", "logit", "both"] = "feature"
@@ -110,6 +114,7 @@ class FedFDParams(HeteroFLParams):
     momentum: float = 0.9
     T: float = 1.0
     batch_size: int | None = None
+    self_group: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -273,7 +278,7 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         d_global = self.model.feature_dim
         self.projections = nn.ModuleDict()
         if params.distill in ("feature", "both"):
-            for arch in ctx.architectures:
+            for arch in filter(self._feature_group, ctx.architectures):
                 self.projections[arch] = build_projection(
                     params.projection, d_global, self.feature_dims[arch], arch
                 ).to(ctx.device)
@@ -287,6 +292,10 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         return metrics
 
     # -- distillation ----------------------------------------------------------------------------
+    def _feature_group(self, arch: str) -> bool:
+        """Whether clients of `arch` are a feature-distillation group (see `self_group`)."""
+        return self.params.self_group or resnet_width(arch) != resnet_width(self.params.global_arch)
+
     def _extractor(self, arch: str) -> SplitModel:
         if arch not in self._extractors:
             ctx = self.ctx
@@ -310,7 +319,7 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             load_numpy(model, reply.payload)
             model.eval()
             f = torch.cat([model.features(x) for x in batches])
-            if want_features:
+            if want_features and self._feature_group(reply.arch):
                 feats[reply.arch] = feats[reply.arch] + f if reply.arch in feats else f
                 counts[reply.arch] = counts.get(reply.arch, 0) + 1
             if want_logits:
@@ -326,6 +335,29 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             self.ctx.train, optimizer=p.optimizer, lr=p.lr, momentum=p.momentum, grad_clip=None
         )
 
+    def distil(
+        self,
+        data: ServerData,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tensors: tuple[torch.Tensor, torch.Tensor],
+        size: int,
+        steps: int | None = None,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """`steps` (default `params.steps`) minibatches of distillation of the global model and
+        the projections at `lr` (default `params.lr`); returns extra metrics (none here)."""
+        settings = self._settings()
+        data.run(
+            step,
+            [self.model, self.projections],
+            steps=self.params.steps if steps is None else steps,
+            params=list(self.model.parameters()) + list(self.projections.parameters()),
+            settings=settings if lr is None else replace(settings, lr=lr),
+            data=tensors,
+            batch_size=size,
+        )
+        return {}
+
     def update(self, data: ServerData, rnd: RoundContext) -> dict[str, float]:
         replies, self._replies = self._replies, []
         p = self.params
@@ -340,8 +372,10 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
             )
             return {}
         feats, logits = self._targets(batches, replies)
+        if not feats and logits is None:  # only full-width clients, and they are no group
+            return {}
         x_all = torch.cat(batches)
-        total = {"loss": 0.0, "feature": 0.0, "logit": 0.0}
+        total = {"loss": 0.0, "feature": 0.0, "logit": 0.0, "steps": 0.0}
 
         def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             # `y` is each sample's index into the round's targets
@@ -358,27 +392,22 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
                 loss = loss + l_loss
                 total["logit"] += float(l_loss.detach())
             total["loss"] += float(loss.detach())
+            total["steps"] += 1
             return loss
 
         index = torch.arange(len(x_all), device=x_all.device)
-        data.run(
-            step,
-            [self.model, self.projections],
-            steps=p.steps,
-            params=list(self.model.parameters()) + list(self.projections.parameters()),
-            settings=self._settings(),
-            data=(x_all, index),
-            batch_size=size,
-        )
+        extra = self.distil(data, step, (x_all, index), size)
         self.model.eval()
         prefix = self.metric_prefix
+        n = max(total["steps"], 1.0)
         metrics = {
-            f"{prefix}/distill_loss": total["loss"] / p.steps,
+            f"{prefix}/distill_loss": total["loss"] / n,
             f"{prefix}/groups": float(len({r.arch for r in replies})),
         }
         if p.distill == "both":
-            metrics[f"{prefix}/feature_loss"] = total["feature"] / p.steps
-            metrics[f"{prefix}/logit_loss"] = total["logit"] / p.steps
+            metrics[f"{prefix}/feature_loss"] = total["feature"] / n
+            metrics[f"{prefix}/logit_loss"] = total["logit"] / n
+        metrics.update({f"{prefix}/{k}": v for k, v in extra.items()})
         if len(self.projections):
             metrics[f"{prefix}/orth_error"] = max(
                 orthogonality_error(m) for m in self.projections.values()

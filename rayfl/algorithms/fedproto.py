@@ -12,8 +12,10 @@ are compared across architectures, so every model must have the same feature siz
 
 Shares: per-class mean features and per-class counts up (`C x (D + 1)` floats); the global
 prototypes down.
-Keeps local: the whole model. It deploys its own head (`predict: head`) or, as in the paper,
-the class of the nearest global prototype (`predict: prototype`).
+Keeps local: the whole model. As in the paper and HtFLlib (`system/flcore/clients/
+clientproto.py:73-95`, argmin of the distance to each global prototype) it deploys the class of
+the nearest global prototype (`predict: prototype`, the default); `predict: head` deploys its own
+head instead (no prototype needed at inference; what FedProto tables that score the head report).
 Server: per-class average of the client prototypes.
 
 Two choices of the official code (yuetan031/FedProto `lib/update.py` `update_weights_het`,
@@ -50,7 +52,6 @@ from rayfl.algorithms.base import (
     Payload,
     RoundContext,
     ServerContext,
-    Trainer,
 )
 from rayfl.errors import require
 from rayfl.models import build_model
@@ -60,9 +61,9 @@ from rayfl.registry import ALGORITHMS
 @dataclass(frozen=True)
 class FedProtoParams:
     lam: float = 1.0  # weight of the prototype distance (the paper's lambda; official default 1)
-    # what the client deploys: its own head, or the nearest global prototype (the paper's and
-    # the official code's inference; HtFLlib scores FedProto this way)
-    predict: Literal["head", "prototype"] = "head"
+    # what the client deploys: the nearest global prototype (the paper's and the official
+    # code's inference; HtFLlib scores FedProto this way) or its own head
+    predict: Literal["head", "prototype"] = "prototype"
     # prototypes from the representations of the training steps (official) or from a pass after
     collect: Literal["train", "after"] = "train"
     # global prototype: unweighted mean over clients (official) or weighted by class counts
@@ -91,43 +92,21 @@ class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
         super().__init__(ctx, params)
         self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
         self.global_counts = torch.zeros(ctx.num_classes)
-        # per-class sums and counts of this round's training representations (collect: train)
-        self.step_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
 
-    def train(self, trainer: Trainer) -> dict[str, float]:
-        if self.params.collect == "after":
-            return super().train(trainer)
-        self.step_sums = None
-        # the step accumulates the batch's representations as it trains
-        return trainer.run(lambda x, y: self.collecting_step(x, y), [self.model])
-
-    def collecting_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`training_step` that also adds the batch's representations (train mode, before the
-        update) to the round's per-class sums."""
-        features = self.model.features(x)
-        sums, counts = protos.class_sums(features.detach().float(), y, self.ctx.num_classes)
-        if self.step_sums is not None:
-            sums, counts = sums + self.step_sums[0], counts + self.step_sums[1]
-        self.step_sums = (sums, counts)
-        return self.loss(features, y)
-
-    def collect(self, trainer: Trainer) -> Payload:
-        if self.params.collect == "train" and self.step_sums is not None:
-            stats = protos.stats_payload(*self.step_sums)
-            self.step_sums = None
-        else:
-            stats = super().collect(trainer)
-        return protos.presence(stats) if self.averaged_over_clients() else stats
+    def collects_in_training(self) -> bool:
+        return self.params.collect == "train"
 
     def averaged_over_clients(self) -> bool:
-        """Whether the server should average each class's prototypes over clients, unweighted."""
         return self.params.average == "clients"
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.model.features(x), y)
+        return self.loss_from(self.statistic(x), y)
+
+    def loss_from(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(values, y)
 
     def loss(self, features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """CE of the head on `features` plus `lam` times their distance to the global prototypes."""

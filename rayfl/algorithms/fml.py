@@ -3,16 +3,32 @@
 Every client trains its private model and a copy of a small shared "meme" model side by side by
 deep mutual learning on each batch:
 
-    private: alpha * CE(private, y) + (1 - alpha) * T^2 KL(meme.detach() || private)
-    meme:    beta  * CE(meme, y)    + (1 - beta)  * T^2 KL(private.detach() || meme)
+    private: alpha * CE(private, y) + (1 - alpha) * T^2 KL(meme || private)
+    meme:    beta  * CE(meme, y)    + (1 - beta)  * T^2 KL(private || meme)
 
-Each KL has the other model's logits as a fixed target (detached), so the private loss trains
-only the private model and the meme loss only the meme; both are optimized together.
+The defaults are HtFLlib's (TsingZ0/HtFLlib `system/flcore/clients/clientfml.py`, the code the
+heterogeneous-FL papers run FML with):
+- `kl_reduction: mean`: each KL is `nn.KLDivLoss()` with its default reduction, the mean over
+  every entry, so the per-sample KL is also divided by the number of classes (clientfml.py:18,
+  47-48). `batchmean` (the per-sample KL, Hinton's scale) is 10x stronger on 10 classes.
+- `detach: false`: neither KL's target is detached (clientfml.py:47-48 pass `F.softmax(output_g)`
+  and `F.softmax(output)` with their graphs; both losses are backpropagated into the same
+  gradients, clientfml.py:52-53), so each KL also trains the model that provides its target.
+  `detach: true` makes each loss train its own model only, as in deep mutual learning's paper.
+- `weighting: uniform`: the server's meme is the plain mean of the uploaded memes
+  (`system/flcore/servers/serverfml.py:80`); `samples` weighs them by training samples (FedAvg).
+HtFLlib also clips each model's gradient at norm 10 (clientfml.py:55-56) and uses plain SGD
+(clientfml.py:24-25): those are the run's `train.grad_clip: 10` and `train.momentum: 0`.
+HtFLlib averages `parameters()` only, so batch-norm statistics of the meme never leave a client;
+rayfl averages the whole state dict (the cnn5 and seed3 memes have no batch norm).
+Under secure aggregation or DP the server only sees the sample-weighted sum, so there the
+average is sample-weighted whatever `weighting` says.
 
 Shares: the meme model's parameters (any registered architecture, `meme`; default: the
 federation's architecture with the fewest parameters, e.g. `cnn5` in the cnn5 family).
 Keeps local: the private model (the personalized model).
-Server: sample-weighted average of the memes (scored on the server test set as `meme/acc`).
+Server: mean of the memes, uniform or sample-weighted (scored on the server test set as
+`meme/acc`).
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +48,7 @@ from rayfl.algorithms.base import (
     ClientContext,
     ModelClient,
     Payload,
+    Reply,
     RoundContext,
     ServerContext,
     Trainer,
@@ -79,25 +97,51 @@ class FMLParams:
     alpha: float = 0.5  # private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5
     beta: float = 0.5  # meme: weight of CE (1 - beta on the KL to the private model); paper 0.5
     T: float = 1.0  # KL temperature (the paper uses plain softmax, T = 1)
+    # KL averaged per entry (HtFLlib's nn.KLDivLoss() default, divides by the classes too) or
+    # per sample (batchmean)
+    kl_reduction: Literal["mean", "batchmean"] = "mean"
+    detach: bool = False  # true: each KL trains its own model only (HtFLlib: both models)
+    weighting: Literal["uniform", "samples"] = (
+        "uniform"  # server mean of the memes (HtFLlib: uniform)
+    )
 
     def __post_init__(self) -> None:
         check_shared_arch(self.meme, "algorithm.meme")
         require(0 <= self.alpha <= 1, "algorithm.alpha", f"must be in [0, 1] (got {self.alpha})")
         require(0 <= self.beta <= 1, "algorithm.beta", f"must be in [0, 1] (got {self.beta})")
         require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
+        check_choice(self.kl_reduction, fn.KD_REDUCTIONS, "algorithm.kl_reduction")
+        check_choice(self.weighting, ("uniform", "samples"), "algorithm.weighting")
+
+
+def check_choice(value: object, choices: Sequence[str], key: str) -> None:
+    """One clear line when `value` is not one of `choices`."""
+    require(value in choices, key, f"must be one of {', '.join(choices)} (got {value!r})")
+
+
+def target(logits: torch.Tensor, detach: bool) -> torch.Tensor:
+    """A distillation target: detached, or carrying its graph so the KL trains its model too."""
+    return logits.detach() if detach else logits
 
 
 def mutual_losses(
     private_logits: torch.Tensor, meme_logits: torch.Tensor, y: torch.Tensor, p: FMLParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(private loss, meme loss) of deep mutual learning; each sees the other as a fixed target."""
+    """(private loss, meme loss) of deep mutual learning, each KL with `p.kl_reduction`; with
+    `p.detach` each sees the other as a fixed target."""
+    red = p.kl_reduction
     private = p.alpha * F.cross_entropy(private_logits, y) + (1 - p.alpha) * fn.kd_loss(
-        private_logits, meme_logits.detach(), p.T
+        private_logits, target(meme_logits, p.detach), p.T, red
     )
     meme = p.beta * F.cross_entropy(meme_logits, y) + (1 - p.beta) * fn.kd_loss(
-        meme_logits, private_logits.detach(), p.T
+        meme_logits, target(private_logits, p.detach), p.T, red
     )
     return private, meme
+
+
+def mean_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
+    """Aggregation weights of the replies: 1 each (`uniform`) or their training samples."""
+    return [1.0 if weighting == "uniform" else float(r.num_samples) for r in replies]
 
 
 class FMLClient(ModelClient[FMLParams]):
@@ -129,6 +173,11 @@ class FMLServer(AveragingServer[FMLParams]):
     def __init__(self, ctx: ServerContext, params: FMLParams) -> None:
         meme = shared_arch(params.meme, ctx.architectures, ctx.in_shape, ctx.num_classes)
         super().__init__(ctx, params, build_model(meme, ctx.in_shape, ctx.num_classes))
+
+    def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
+        weights = mean_weights(replies, self.params.weighting)
+        load_numpy(self.shared, fn.weighted_average([r.payload for r in replies], weights))
+        return {}
 
 
 ALGORITHMS.add(

@@ -14,6 +14,9 @@ import torch.nn.functional as F
 
 State = Mapping[str, np.ndarray]
 
+# `kd_loss` reductions: KL per sample (`batchmean`) or per entry (`mean`, nn.KLDivLoss default)
+KD_REDUCTIONS = ("batchmean", "mean")
+
 
 def normalized_weights(counts: Sequence[float], cap: float | None = None) -> np.ndarray:
     """Sample-count weights summing to one; with `cap`, no weight exceeds it (excess spread over the rest).
@@ -93,17 +96,27 @@ def ema(old: State, new: State, decay: float) -> dict[str, np.ndarray]:
 
 
 def kd_loss(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float,
+    reduction: str = "batchmean",
 ) -> torch.Tensor:
-    """Hinton's distillation loss: `T^2 * KL(softmax(teacher/T) || softmax(student/T))`, batch mean.
+    """Hinton's distillation loss `T^2 * KL(softmax(teacher/T) || softmax(student/T))`.
 
-    Gradients flow into the student only if the caller did not detach it; detach the teacher
-    when it must not move (pFedES: the local model is the proxy's teacher).
+    `reduction="batchmean"` sums the KL over the classes and averages over the batch (the KL
+    per sample); `"mean"` averages over every entry, i.e. also divides by the number of classes,
+    which is what `nn.KLDivLoss()` does with its default reduction (HtFLlib's FML and FedKD).
+    Gradients flow into the student, and into the teacher unless the caller detached it.
     """
+    if reduction not in KD_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {KD_REDUCTIONS} (got {reduction!r})")
     t = float(temperature)
     log_p_student = F.log_softmax(student_logits / t, dim=1)
     log_p_teacher = F.log_softmax(teacher_logits / t, dim=1)
-    return F.kl_div(log_p_student, log_p_teacher, reduction="batchmean", log_target=True) * (t * t)
+    total = F.kl_div(log_p_student, log_p_teacher, reduction="sum", log_target=True)
+    # spelt out rather than passed on: torch warns that its `mean` will become `batchmean`
+    per = student_logits.shape[0] if reduction == "batchmean" else student_logits.numel()
+    return total / per * (t * t)
 
 
 def logit_kl(a_logits: torch.Tensor, b_logits: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,13 @@ Shares: the client's slice of the global model (down), the trained slice (up).
 Keeps local: nothing; the slice arrives fresh every round.
 Server: every entry of the global model becomes the average over the clients whose slice holds
 it (`weighting=uniform`, the paper's `1/M sum W_m`, or by sample count); entries nobody holds
-keep their value. The official code's label-masked classifier is not implemented.
+keep their value. Differences from the official code (diaoenmao/HeteroFL-...-Heterogeneous-
+Clients, `src/models/resnet.py`): its label-masked classifier (lines 152-155) is not
+implemented; its ResNet is pre-activation (lines 44-50, 148) where `resnet_widths` is the CIFAR
+ResNet-18 of the FedFD paper; it rounds channels up (`ceil(c * r)`, line 164) where rayfl rounds
+to nearest; its scaler sits before each normalisation with rate width / global width (lines 45,
+48, 165), rayfl's after each conv with the absolute width (the same for a full-width global
+model). docs/algorithms.md has the table.
 
 `rayfl.algorithms.fedfd` builds on this module: same clients and aggregation, plus server-side
 ensemble distillation. That is why it runs past the 200-line house limit: the width-family check

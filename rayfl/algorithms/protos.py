@@ -151,21 +151,54 @@ def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarr
 
 
 class ClassStatsClient(ModelClient[P]):
-    """A client that trains its model, then uploads per-class means of `statistic(x)` over its
-    training split (FD: logits; FedProto, FedGH: features). Subclasses say how the broadcast is
-    received, what `statistic` is and, if need be, how `train` differs."""
+    """A client that trains its model and uploads per-class means of `statistic(x)` (FD: logits;
+    FedProto, FedGH: features): either those of its training forward passes (train mode, before
+    each step's update, summed over every step of the round: `collects_in_training`) or those of
+    one eval-mode pass over its training split after training. Subclasses say how the broadcast
+    is received, what `statistic` is, the loss computed from it (`loss_from`) and, if need be,
+    how `train` differs."""
 
     def __init__(self, ctx: ClientContext, params: P) -> None:
         super().__init__(ctx, params)
         self.stats: Payload = {}
+        # per-class sums and counts of this round's training statistics (collects_in_training)
+        self.step_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
         """The per-sample values whose class means travel (default: the model's features)."""
         return self.model.features(x)
 
+    def loss_from(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch given its `statistic` values (with their graph); needed
+        by `collecting_step` only."""
+        raise NotImplementedError
+
+    def collects_in_training(self) -> bool:
+        """Whether the uploaded means are those of the training steps (default: a pass after)."""
+        return False
+
+    def averaged_over_clients(self) -> bool:
+        """Whether the server should average each class's statistics over clients, unweighted:
+        the upload then carries 0/1 presence as its counts (see `presence`)."""
+        return False
+
     def train(self, trainer: Trainer) -> dict[str, float]:
-        """Local training (default: the engine's loop over `training_step` for the model)."""
-        return trainer.run(self.training_step, [self.model])
+        """Local training (default: the engine's loop over `training_step` for the model, or over
+        `collecting_step` when the statistics come from the training steps)."""
+        if not self.collects_in_training():
+            return trainer.run(self.training_step, [self.model])
+        self.step_sums = None
+        return trainer.run(self.collecting_step, [self.model])
+
+    def collecting_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`training_step` that also adds the batch's statistics (train mode, before the update)
+        to the round's per-class sums."""
+        values = self.statistic(x)
+        sums, counts = class_sums(values.detach().float(), y, self.ctx.num_classes)
+        if self.step_sums is not None:
+            sums, counts = sums + self.step_sums[0], counts + self.step_sums[1]
+        self.step_sums = (sums, counts)
+        return self.loss_from(values, y)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         metrics = self.train(trainer)
@@ -173,10 +206,16 @@ class ClassStatsClient(ModelClient[P]):
         return metrics
 
     def collect(self, trainer: Trainer) -> Payload:
-        """The statistics to upload (default: one eval-mode pass over the training split after
-        training, so they describe the model as trained this round)."""
-        self.model.eval()
-        return class_means(self.statistic, trainer.batches("train"), self.ctx.num_classes)
+        """The statistics to upload: the training steps' (`collects_in_training`), else one
+        eval-mode pass over the training split after training, so they describe the model as
+        trained this round; as presence counts when `averaged_over_clients`."""
+        if self.collects_in_training() and self.step_sums is not None:
+            stats = stats_payload(*self.step_sums)
+            self.step_sums = None
+        else:
+            self.model.eval()
+            stats = class_means(self.statistic, trainer.batches("train"), self.ctx.num_classes)
+        return presence(stats) if self.averaged_over_clients() else stats
 
     def upload(self) -> Payload:
         return self.stats

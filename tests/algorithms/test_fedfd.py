@@ -135,7 +135,8 @@ def test_identity_projection_needs_equal_sizes():
         FedFDServer(server_ctx(("resnet18_w1", "resnet18_w2")), FedFDParams(projection="identity"))
     # equal sizes (client width = global width) are fine
     server = FedFDServer(
-        server_ctx(("resnet18_w2",)), FedFDParams(global_arch="resnet18_w2", projection="identity")
+        server_ctx(("resnet18_w2",)),
+        FedFDParams(global_arch="resnet18_w2", projection="identity", self_group=True),
     )
     assert isinstance(server.projections["resnet18_w2"], nn.Identity)
     # the same refusal without building anything (for config validation)
@@ -174,9 +175,11 @@ def reference_outputs(arch: str, payload: dict[str, np.ndarray], batches: list[t
     return f, model.head(f)
 
 
-def test_group_targets_average_features_per_group_and_logits_over_clients():
+@pytest.mark.parametrize("self_group", [False, True])
+def test_group_targets_average_features_per_group_and_logits_over_clients(self_group):
     archs = ("resnet18_w1", "resnet18_w2")
-    server = FedFDServer(server_ctx(archs), FedFDParams(global_arch="resnet18_w2", distill="both"))
+    params = FedFDParams(global_arch="resnet18_w2", distill="both", self_group=self_group)
+    server = FedFDServer(server_ctx(archs), params)
     batches = list(torch.randn(12, *IN_SHAPE).split(4))
     payloads = [("resnet18_w1", client_payload("resnet18_w1", s)) for s in (1, 2)] + [
         ("resnet18_w2", client_payload("resnet18_w2", 3))
@@ -184,12 +187,23 @@ def test_group_targets_average_features_per_group_and_logits_over_clients():
     replies = [Reply(i, arch, 5, p) for i, (arch, p) in enumerate(payloads)]
     feats, logits = server._targets(batches, replies)
     ref = [reference_outputs(arch, p, batches) for arch, p in payloads]
-    assert sorted(feats) == list(archs)
-    assert feats["resnet18_w1"].shape == (12, 51) and feats["resnet18_w2"].shape == (12, 102)
+    # the paper's loss runs over groups 2..m: the global model's own width is no group
+    groups = list(archs) if self_group else ["resnet18_w1"]
+    assert sorted(feats) == groups and sorted(server.projections) == groups
+    assert feats["resnet18_w1"].shape == (12, 51)
     torch.testing.assert_close(feats["resnet18_w1"], (ref[0][0] + ref[1][0]) / 2)
-    torch.testing.assert_close(feats["resnet18_w2"], ref[2][0])
-    assert logits is not None
+    if self_group:
+        assert feats["resnet18_w2"].shape == (12, 102)
+        torch.testing.assert_close(feats["resnet18_w2"], ref[2][0])
+    assert logits is not None  # the logit teacher is every client's
     torch.testing.assert_close(logits, (ref[0][1] + ref[1][1] + ref[2][1]) / 3)
+
+
+def test_only_full_width_clients_leave_nothing_to_distil_by_features():
+    server = FedFDServer(server_ctx(("resnet18_w2",)), FedFDParams(global_arch="resnet18_w2"))
+    assert not len(server.projections)
+    server.aggregate([Reply(0, "resnet18_w2", 5, client_payload("resnet18_w2", 1))], RND)
+    assert server.update(FakeServerData(torch.randn(20, *IN_SHAPE)), RND) == {}
 
 
 @pytest.mark.parametrize("projection", ["orthogonal", "linear"])
@@ -257,3 +271,34 @@ def test_refuses_a_run_without_public_data(synthetic_raw, tmp_path):
     raw["model"] = {"architectures": ["resnet18_w1"]}
     with pytest.raises(ConfigError, match="public"):
         Simulation(build_config(raw), tmp_path)
+
+
+def test_feddf_cosine_rate_and_early_stopping_keep_the_best_model(monkeypatch):
+    from rayfl.algorithms.feddf import FedDFServer, cosine_lr
+
+    assert cosine_lr(1e-3, 0, 100) == pytest.approx(1e-3)
+    assert cosine_lr(1e-3, 50, 100) == pytest.approx(5e-4)
+    archs = ("resnet18_w1", "resnet18_w2")
+    params = FedDFParams(
+        global_arch="resnet18_w2", steps=8, lr=0.05, patience=4, eval_every=2, schedule="cosine"
+    )
+    torch.manual_seed(0)
+    server = FedDFServer(server_ctx(archs), params)
+    server.aggregate([Reply(i, a, 5, client_payload(a, 10 + i)) for i, a in enumerate(archs)], RND)
+    scores = iter([0.5, 0.7, 0.6, 0.6, 0.9])  # after 2, 4, 6, 8 steps: best at 4, stop at 8
+    rates, states = [], []
+    run = FakeServerData.run
+
+    def spy(self, step, modules, **kw):
+        rates.append(kw["settings"].lr)
+        out = run(self, step, modules, **kw)
+        states.append({k: v.clone() for k, v in server.model.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(FakeServerData, "run", spy)
+    monkeypatch.setattr(FedDFServer, "public_accuracy", lambda self, data: next(scores))
+    metrics = server.update(FakeServerData(torch.randn(20, *IN_SHAPE)), RND)
+    assert metrics["feddf/steps"] == 8.0 and metrics["feddf/best_step"] == 4.0
+    assert rates == pytest.approx([cosine_lr(0.05, d, 8) for d in (0, 2, 4, 6)])
+    for k, v in server.model.state_dict().items():  # the model after 4 steps is kept
+        torch.testing.assert_close(v, states[1][k])

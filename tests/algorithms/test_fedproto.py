@@ -93,8 +93,11 @@ def test_prototype_prediction_picks_the_nearest_known_prototype():
     assert logits.argmax(1).tolist() == [0, 1, 1]
     assert logits[0, 0].item() == pytest.approx(-0.01, abs=1e-6)  # minus squared distance
     assert logits[0, 2].item() == float("-inf")
-    head = FedProtoClient(ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), FedProtoParams())
+    head = FedProtoClient(
+        ClientContext("tiny_a", SHAPE, 3, CPU, TrainConfig()), FedProtoParams(predict="head")
+    )
     assert head.eval_model() is head.model
+    assert FedProtoParams().predict == "prototype"  # the paper's and HtFLlib's inference
 
 
 def _trainer(lr, batch_size=100):

@@ -51,6 +51,17 @@ def test_kd_loss_golden():
     expected_t2 = 4 * float((p * torch.log(p / 0.5)).sum())
     assert fn.kd_loss(student, teacher, 2.0).item() == pytest.approx(expected_t2, rel=1e-6)
     assert fn.kd_loss(teacher, teacher, 4.0).item() == pytest.approx(0.0, abs=1e-7)
+    # 'mean' (nn.KLDivLoss()'s default): also divided by the 2 classes, over a batch of 2
+    pair_s, pair_t = torch.cat([student, student]), torch.cat([teacher, student])
+    assert fn.kd_loss(pair_s, pair_t, 1.0, "mean").item() == pytest.approx(expected / 4, rel=1e-6)
+    assert fn.kd_loss(pair_s, pair_t, 1.0).item() == pytest.approx(expected / 2, rel=1e-6)
+    reference = (
+        torch.nn.KLDivLoss(reduction="sum")(torch.log_softmax(pair_s, 1), torch.softmax(pair_t, 1))
+        / pair_s.numel()
+    )
+    assert fn.kd_loss(pair_s, pair_t, 1.0, "mean").item() == pytest.approx(reference.item())
+    with pytest.raises(ValueError, match="reduction"):
+        fn.kd_loss(pair_s, pair_t, 1.0, "sum")
 
 
 def test_logit_kl_direction():
