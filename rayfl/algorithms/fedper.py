@@ -1,7 +1,7 @@
 """FedPer: Arivazhagan et al., "Federated Learning with Personalization Layers" (arXiv 1912.00818).
 
 Code followed: PFLlib `system/flcore/clients/clientper.py` and `servers/serverper.py` (the whole
-model trained with cross-entropy, only the base averaged and loaded); FL-bench `fedper`.
+model trained with cross-entropy, only the base uploaded, averaged and loaded); FL-bench `fedper`.
 
 Shares: the feature extractor (`model.encoder`), both ways.
 Keeps local: the head (the personalization layers); the personalized model is the client's
@@ -9,8 +9,7 @@ model after local training.
 Server: per architecture, the sample-weighted average of its clients' extractors
 (`rayfl.algorithms.groups`; with several architectures each group shares within itself).
 
-Deviations: none with one architecture. PFLlib uploads the whole model and loads only the base;
-here only the extractor travels up, which averages to the same base.
+Deviations: none with one architecture.
 """
 
 from __future__ import annotations
