@@ -10,7 +10,7 @@ import torch
 
 from rayfl.algorithms.apfl import APFLClient, APFLParams, mixture
 from rayfl.algorithms.base import ClientContext, NoParams, Reply, RoundContext, ServerContext
-from rayfl.algorithms.ditto import DittoParams
+from rayfl.algorithms.ditto import DittoClient, DittoParams
 from rayfl.algorithms.fedala import FedALAClient, FedALAParams
 from rayfl.algorithms.fedbabu import FedBABUClient, FedBABUParams, FedBABUServer
 from rayfl.algorithms.fedper import FedPerServer
@@ -206,3 +206,25 @@ def test_ray_gives_the_serial_numbers_with_two_architectures(name, ray_local, tm
     ray_two = history(["engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"])
     assert "personal/acc/arch=tiny_b" in serial[-1]  # two architectures, two groups
     assert serial == ray_two
+
+
+def test_ditto_and_apfl_personal_models_start_as_the_first_global_model():
+    ds = load_dataset("synthetic", num_samples=60, num_test=10, shape=SHAPE, num_classes=3)
+    still = TrainConfig(batch_size=16, lr=1e-12, local_epochs=1)  # training moves nothing
+
+    def frozen_trainer() -> LocalTrainer:
+        gen = torch.Generator().manual_seed(0)
+        return LocalTrainer(ds, np.arange(50), np.arange(50, 60), still, CPU, gen)
+
+    for client in (DittoClient(context(), DittoParams()), APFLClient(context(), APFLParams())):
+        torch.manual_seed(7)
+        glob = build_model("tiny_a", SHAPE, 3).state_dict()
+        payload = {k: v.numpy() for k, v in glob.items()}
+        client.receive(payload, RND)
+        assert not torch.equal(client.model.head.weight, glob["head.weight"])
+        client.fit(frozen_trainer())  # first fit: the personal model becomes the global one
+        torch.testing.assert_close(client.model.state_dict(), glob, rtol=0, atol=1e-6)
+        mine = snapshot(client.model)
+        client.receive({k: v + 1 for k, v in payload.items()}, RND)
+        client.fit(frozen_trainer())  # later fits keep it
+        torch.testing.assert_close(snapshot(client.model), mine, rtol=0, atol=1e-6)
