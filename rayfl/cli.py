@@ -385,7 +385,7 @@ EXAMPLES = {
   rayfl run experiments/pfedes_fmnist.yaml seed=1 engine.rounds=5 algorithm.alpha=0.3 --out runs/x
   rayfl run experiments/pfedes_fmnist.yaml algorithm.name=local eval.local_baseline=false
   rayfl run --resume runs/x
-  rayfl run docs/examples/ditto_digits.yaml algorithm.lam=1.0 --plugin docs/examples/my_algorithm.py""",
+  rayfl run docs/examples/moon_digits.yaml algorithm.mu=5.0 --plugin docs/examples/my_algorithm.py""",
     "validate": """examples:
   rayfl validate experiments/pfedes_fmnist.yaml
   rayfl validate experiments/pfedes_fmnist.yaml engine.rounds=5 algorithm.beta=0

@@ -78,6 +78,6 @@ def test_the_api_docs_examples_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "engine.rounds: must be >= 1 (got 0)" in proc.stdout
-    assert (tmp_path / "runs" / "ditto_lam1" / "metrics.parquet").is_file()
+    assert (tmp_path / "runs" / "moon_mu5" / "metrics.parquet").is_file()
     assert (tmp_path / "runs" / "suite_digits" / "table.txt").is_file()
     assert (tmp_path / "runs" / "sweep_digits" / "best_config.yaml").is_file()

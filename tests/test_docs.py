@@ -71,7 +71,7 @@ def test_readme_and_docs_links_resolve():
 def test_the_tutorial_shows_the_file_that_runs():
     doc = (ROOT / "docs" / "your_algorithm.md").read_text()
     code = (ROOT / "docs" / "examples" / "my_algorithm.py").read_text()
-    experiment = (ROOT / "docs" / "examples" / "ditto_digits.yaml").read_text()
+    experiment = (ROOT / "docs" / "examples" / "moon_digits.yaml").read_text()
     assert f"```python\n{code}```" in doc
     assert f"```yaml\n{experiment}```" in doc
 
@@ -95,8 +95,8 @@ def test_the_tutorial_algorithm_trains_through_the_cli_plugin(tmp_path):
         return out
 
     # the tutorial's own experiment (which also names the plugin), on Ray
-    ditto = run("ditto", str(ROOT / "docs" / "examples" / "ditto_digits.yaml"))
-    rows = pq.read_table(ditto / "metrics.parquet").to_pylist()
+    moon = run("moon", str(ROOT / "docs" / "examples" / "moon_digits.yaml"))
+    rows = pq.read_table(moon / "metrics.parquet").to_pylist()
     assert len(rows) == 5
-    # 10 classes: chance is 0.1; Ditto's personal models learn
+    # 10 classes: chance is 0.1; MOON's local models learn
     assert rows[-1]["personal/acc"] > 0.3 and rows[-1]["personal/acc"] > rows[0]["personal/acc"]

@@ -1,13 +1,19 @@
-"""Ditto: Li et al., "Ditto: Fair and Robust Federated Learning Through Personalization"
-(ICML 2021; arXiv 2012.04221). The tutorial's algorithm (docs/your_algorithm.md):
+"""MOON: Li, He and Song, "Model-Contrastive Federated Learning" (CVPR 2021; arXiv 2103.16257).
+The tutorial's algorithm (docs/your_algorithm.md):
 
-    rayfl run docs/examples/ditto_digits.yaml
-    rayfl run experiments/pfedes_fmnist.yaml algorithm.name=ditto model.family=homo_cnn_small \
+    rayfl run docs/examples/moon_digits.yaml
+    rayfl run experiments/pfedes_fmnist.yaml algorithm.name=moon model.architectures=[cnn_small] \
         --plugin docs/examples/my_algorithm.py
 
-Shares: the global model (homogeneous families only), trained locally as in FedAvg.
-Keeps local: a personal model, trained with cross-entropy plus lam/2 ||v - w_global||^2.
-Server: sample-weighted average of the global models (FedAvg's server).
+FedAvg whose local training also pulls each sample's features towards the global model's and
+away from the client's previous local model's: `CE + mu * l_con`, with
+`l_con = -log(e^{sim(z, z_glob)/T} / (e^{sim(z, z_glob)/T} + e^{sim(z, z_prev)/T}))`
+and `sim` the cosine similarity of the features.
+
+Shares: the whole model (homogeneous families only), trained locally and averaged as in FedAvg.
+Keeps local: the model it trained last, the "previous model" of its next round and what it
+deploys (a client's first round contrasts with its own initial model).
+Server: sample-weighted average of the models (FedAvg's server).
 """
 
 from __future__ import annotations
@@ -29,66 +35,73 @@ from rayfl.algorithms.base import (
     to_numpy,
 )
 from rayfl.algorithms.fedavg import FedAvgServer
-from rayfl.algorithms.fedprox import proximal_term
 from rayfl.errors import require
 from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)
-class DittoParams:
-    """The `algorithm:` keys of a config (`rayfl ls ditto` lists them)."""
+class MoonParams:
+    """The `algorithm:` keys of a config (`rayfl ls moon` lists them)."""
 
-    lam: float = 0.1  # pull of the personal model towards the global one (paper: 0.01 to 2)
-    personal_epochs: int = 1  # passes over the local data for the personal model per round
+    mu: float = 1.0  # weight of the model-contrastive loss (paper: 1 or 5 by data set)
+    temperature: float = 0.5  # temperature T of the cosine similarities (paper: 0.5)
 
     def __post_init__(self) -> None:
-        require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
-        require(self.personal_epochs >= 1, "algorithm.personal_epochs", "must be >= 1")
+        require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")
+        require(self.temperature > 0, "algorithm.temperature", "must be > 0")
 
 
-class DittoClient(ModelClient[DittoParams]):
-    """`self.model` (from ModelClient) is the personal model, kept between rounds; the global
-    model is a transient copy, replaced by every broadcast."""
+class MoonClient(ModelClient[MoonParams]):
+    """`self.model` (from ModelClient) is the client's local model, kept between rounds; the
+    global and previous models are transient copies, rebuilt every round."""
 
-    # It deploys the personal model, whatever the broadcast: a client that did not train since
-    # its last score keeps it (the deployed evaluation skips it). Leave it out when unsure.
+    # It deploys the model it trained last, whatever the broadcast: a client that did not train
+    # since its last score keeps it (the deployed evaluation skips it). Leave it out when unsure.
     deployed_uses_payload = False
 
-    def __init__(self, ctx: ClientContext, params: DittoParams) -> None:
-        super().__init__(ctx, params)  # persistent = {"model": the personal model}
+    def __init__(self, ctx: ClientContext, params: MoonParams) -> None:
+        super().__init__(ctx, params)  # persistent = {"model": the local model}
         self.global_model = copy.deepcopy(self.model)
-        self.anchors: list[torch.Tensor] = []
+        self.previous = copy.deepcopy(self.model)
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         load_numpy(self.global_model, payload)
-        # the received global weights, frozen: the personal model is pulled towards them
-        self.anchors = [p.detach().clone() for p in self.global_model.parameters()]
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
-        # 1. FedAvg's local step on the global copy (what the server averages)
-        trainer.run(lambda x, y: F.cross_entropy(self.global_model(x), y), [self.global_model])
-        # 2. the personal model: cross-entropy plus the proximal pull
-        return trainer.run(self.training_step, [self.model], epochs=self.params.personal_epochs)
+        # the last local model becomes the previous one; training starts from the global model
+        self.previous.load_state_dict(self.model.state_dict())
+        self.model.load_state_dict(self.global_model.state_dict())
+        self.global_model.eval()
+        self.previous.eval()
+        return trainer.run(self.training_step, [self.model])
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(self.model(x), y)
-        if self.anchors:  # empty before the first broadcast
-            params = list(self.model.parameters())
-            loss = loss + proximal_term(params, self.anchors, self.params.lam)
-        return loss
+        z = self.model.features(x)
+        with torch.no_grad():  # both anchors are constants
+            z_glob = self.global_model.features(x)
+            z_prev = self.previous.features(x)
+        t = self.params.temperature
+        sims = torch.stack(
+            [F.cosine_similarity(z, z_glob, dim=1), F.cosine_similarity(z, z_prev, dim=1)], dim=1
+        )
+        # cross-entropy with the global model's features as the positive (column 0)
+        contrastive = F.cross_entropy(
+            sims / t, torch.zeros(len(x), dtype=torch.long, device=x.device)
+        )
+        return F.cross_entropy(self.model.head(z), y) + self.params.mu * contrastive
 
     def upload(self) -> Payload:
-        return to_numpy(self.global_model.state_dict())
+        return to_numpy(self.model.state_dict())
 
 
 ALGORITHMS.add(
-    "ditto",
+    "moon",
     Algorithm(
-        "ditto",
-        DittoParams,
-        DittoClient,
+        "moon",
+        MoonParams,
+        MoonClient,
         FedAvgServer,
         needs_homogeneous=True,
-        summary="personal models pulled towards a FedAvg global model (Li et al. 2021)",
+        summary="FedAvg with a model-contrastive loss on the features (Li et al. 2021)",
     ),
 )

@@ -1,15 +1,23 @@
 """Federated algorithms: one module each, holding both halves. Importing this registers them."""
 
 from rayfl.algorithms import (  # noqa: F401  (registration)
+    apfl,
+    ditto,
     fd,
+    fedala,
     fedavg,
+    fedbabu,
+    fedbn,
     feddf,
     fedfd,
     fedgh,
     fedkd,
     fedmd,
+    fedper,
     fedproto,
     fedprox,
+    fedrep,
+    fedrod,
     fedtgp,
     fml,
     heterofl,

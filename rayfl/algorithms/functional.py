@@ -178,3 +178,22 @@ def svd_decompress(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         elif not key.endswith(_SVD_PARTS):
             out[key] = np.asarray(value)
     return out
+
+
+def grouped_average(
+    states: Sequence[State], weights: Sequence[float], groups: Sequence[str]
+) -> dict[str, dict[str, np.ndarray]]:
+    """`weighted_average` within each group: the states that carry one group label (clients of
+    one architecture) are averaged with their weights, different groups are never mixed.
+
+    Returns `{group: average}`, the groups in order of first appearance.
+    """
+    if not (len(states) == len(weights) == len(groups)):
+        raise ValueError("states, weights and groups need one entry each")
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return {
+        g: weighted_average([states[i] for i in idx], [weights[i] for i in idx])
+        for g, idx in members.items()
+    }
