@@ -40,6 +40,7 @@ class Purpose(IntEnum):
     DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
     DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)
     POISSON_SAMPLE = 10  # `engine.sampling=poisson`'s draw: (seed, round, attempt, POISSON_SAMPLE)
+    DATA_VAL = 11  # a client's validation split, out of its train split: (seed, client, DATA_VAL)
 
 
 # The server's second stream in a round (its public-data batches): (seed, round, SERVER, 1), a

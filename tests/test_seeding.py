@@ -26,6 +26,7 @@ def streams() -> dict[tuple[int, ...], set[str]]:
         for c in CLIENTS:
             add("INIT", words(Purpose.INIT, s, client=c))
             add("DATA_SPLIT", words(Purpose.DATA_SPLIT, s, client=c))
+            add("DATA_VAL", words(Purpose.DATA_VAL, s, client=c))
         for r in ROUNDS:
             add("SERVER", words(Purpose.SERVER, s, r))
             add("SERVER_DATA", server_data_words(s, r))
