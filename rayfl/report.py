@@ -137,7 +137,9 @@ def _history(path: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- a run
 
 
-def _final_rows(final: Mapping[str, Any]) -> tuple[list[list[Any]], list[str]]:
+def _final_rows(
+    final: Mapping[str, Any], targets: Sequence[Any] = ()
+) -> tuple[list[list[Any]], list[str]]:
     rows: list[list[Any]] = []
     classes: list[str] = []
 
@@ -146,7 +148,36 @@ def _final_rows(final: Mapping[str, Any]) -> tuple[list[list[Any]], list[str]]:
             rows.append([label, final[key]])
             classes.append(cls)
 
-    add("personalized accuracy (personal/acc)", "personal/acc")
+    add("personalized accuracy, last round (personal/acc)", "personal/acc")
+    if final.get("personal/acc_ci95") is not None:
+        rows.append(
+            [
+                "client mean ± 95% confidence interval",
+                f"{final.get('personal/acc_mean', float('nan')):.4f} ± "
+                f"{final['personal/acc_ci95']:.4f}",
+            ]
+        )
+        classes.append("")
+    add("validation accuracy, last round (personal/val_acc)", "personal/val_acc")
+    if final.get("at_best_val/round") is not None:
+        chosen = int(final["at_best_val/round"])
+        add(
+            f"personalized accuracy at the best validation round ({chosen})",
+            "at_best_val/personal/acc",
+        )
+    for key in ("personal/loss", "personal/val_loss"):
+        add(key, key)
+    for target in targets:
+        t = f"{float(target):g}"
+        rounds, b = final.get(f"rounds_to/acc_{t}"), final.get(f"bytes_to/acc_{t}")
+        sec = final.get(f"seconds_to/acc_{t}")
+        reached = (
+            "not reached"
+            if rounds is None
+            else f"round {rounds:g}, {(b or 0) / 1e6:.2f} MB, {sec or 0:.1f} s"
+        )
+        rows.append([f"to personal/acc {t}", reached])
+        classes.append("")
     if "baseline/local_acc" in final:
         add("local-only accuracy, same partition (baseline/local_acc)", "baseline/local_acc")
         gain = final.get("baseline/gain_points") or 0.0
@@ -179,7 +210,7 @@ def _arch_bars(
 
 def run_report(run_dir: Path) -> str:
     from rayfl.engine.rundir import check_run_dir, read_summary
-    from rayfl.tracking.plots import plot_learning_curves
+    from rayfl.tracking.plots import plot_cost_curves, plot_learning_curves
 
     check_run_dir(run_dir)
     summary = read_summary(run_dir)
@@ -193,13 +224,23 @@ def run_report(run_dir: Path) -> str:
         f"seed {summary.get('seed')}, {summary.get('rounds')} rounds, status "
         f"{summary.get('status')}, wall time {summary.get('wall_s', 0):.0f} s"
     )
-    rows, classes = _final_rows(final)
+    targets = _section(cfg, "eval").get("targets") or []
+    targets = (
+        [t for t in targets if isinstance(t, int | float)] if isinstance(targets, list) else []
+    )
+    rows, classes = _final_rows(final, targets)
     sections = [("Final metrics", table(["metric", "value"], rows, classes))]
     if history:
         sections.append(
             (
                 "Learning curves",
                 figure(lambda p: plot_learning_curves(history, p), "learning curves"),
+            )
+        )
+        sections.append(
+            (
+                "Accuracy against communication and time",
+                figure(lambda p: plot_cost_curves({algo: [history]}, p), "accuracy vs cost"),
             )
         )
     arch = {
@@ -280,7 +321,7 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
         std_col,
         table_rows,
     )
-    from rayfl.tracking.plots import plot_compare
+    from rayfl.tracking.plots import plot_compare, plot_cost_curves
 
     page_dir = page_dir or out_dir
     runs = _read_parquet(out_dir / "runs.parquet")
@@ -326,6 +367,13 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
                 (
                     f"Personalized accuracy by round, {band}{suffix}",
                     figure(partial(plot_compare, means, ylabel=PERSONAL, spread=spread), "curves"),
+                )
+            )
+            mean = "mean over seeds" if seeds > 1 else "one seed"
+            sections.append(
+                (
+                    f"Personalized accuracy against communication and time, {mean}{suffix}",
+                    figure(partial(plot_cost_curves, histories), "accuracy vs cost"),
                 )
             )
     settings = any(r["setting"] for r in runs)
