@@ -237,12 +237,6 @@ def run_report(run_dir: Path) -> str:
                 figure(lambda p: plot_learning_curves(history, p), "learning curves"),
             )
         )
-        sections.append(
-            (
-                "Accuracy against communication and time",
-                figure(lambda p: plot_cost_curves({algo: [history]}, p), "accuracy vs cost"),
-            )
-        )
     arch = {
         k.split("arch=", 1)[1]: v
         for k, v in final.items()
@@ -263,6 +257,13 @@ def run_report(run_dir: Path) -> str:
             (
                 "Personalized accuracy per architecture",
                 table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
+            )
+        )
+    if history:
+        sections.append(
+            (
+                "Accuracy against communication and time",
+                figure(lambda p: plot_cost_curves({algo: [history]}, p), "accuracy vs cost"),
             )
         )
     if is_file(run_dir / "label_distribution.png"):
@@ -420,6 +421,7 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     import yaml
 
     from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
+    from rayfl.tune.sweep import TEST_METRIC, is_validation_metric
 
     page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
@@ -436,7 +438,10 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
         k for k in (rows[0] if rows else {}) if k.startswith(("algorithm.", "train.", "data."))
     ]
     log_params = _log_sampled(space_spec) if isinstance(space_spec, Mapping) else []
-    header = ["trial", *params, metric, "rounds", "status", "run", "MLflow run"]
+    # a validation metric ranks; the test accuracy of the same round is shown, never ranked on
+    shown = [metric] + ([TEST_METRIC] if is_validation_metric(metric) else [])
+    names = [f"{m} (test)" if m != metric else m for m in shown]
+    header = ["trial", *params, *names, "rounds", "status", "run", "MLflow run"]
     body = []
     for r in rows:
         run_dir = out_dir / "trials" / str(r.get("trial", ""))
@@ -444,7 +449,7 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
             [
                 r.get("trial", ""),
                 *(_short(r.get(p)) for p in params),
-                r.get(metric),
+                *(r.get(m) for m in shown),
                 r.get("rounds"),
                 r.get("status", "") + (f": {r['error']}" if r.get("error") else ""),
                 *run_links(run_dir, page_dir, ""),
@@ -455,8 +460,12 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     scored = [r for r in rows if isinstance(r.get(metric), float) and math.isfinite(r[metric])]
     if scored:
         best = (max if mode == "max" else min)(scored, key=lambda r: r[metric])
-        best_rows = [[p, _short(best.get(p))] for p in params] + [[metric, best[metric]]]
-        text = f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)})</p>"
+        best_rows = [[p, _short(best.get(p))] for p in params]
+        best_rows += [[n, best.get(m)] for n, m in zip(names, shown)]
+        where = "validation data" if is_validation_metric(metric) else "TEST data"
+        text = (
+            f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)}, chosen on {where})</p>"
+        )
         text += table(["parameter", "value"], best_rows)
         if is_file(out_dir / "best_config.yaml"):
             text += (

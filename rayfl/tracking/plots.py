@@ -65,8 +65,7 @@ def default_keys(history: Sequence[Mapping[str, Any]]) -> list[str]:
     present = {k for row in history for k in row}
     keys = [k for k in ("personal/acc", "personal/acc_worst10") if k in present]
     servers = (k for k in present if k.endswith("/acc") and k.count("/") == 1)
-    keys += sorted(k for k in servers if k != "personal/acc")
-    return keys + (["personal/loss"] if "personal/loss" in present else [])
+    return keys + sorted(k for k in servers if k != "personal/acc")
 
 
 # Reference lines drawn in the panel of the metric they are compared with (local-only: dashed).
@@ -75,7 +74,6 @@ REFERENCES = {
         ("baseline/local_acc", "local-only, same partition"),
         ("personal/val_acc", "validation"),
     ),
-    "personal/loss": (("personal/val_loss", "validation"),),
 }
 
 
@@ -132,8 +130,6 @@ def _lines(
 
 
 def _ylabel(key: str) -> str:
-    if key.endswith("loss"):
-        return "cross-entropy"
     return "accuracy" if key.endswith(("/acc", "_worst10")) or "/acc/" in key else key
 
 
