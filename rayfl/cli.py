@@ -80,7 +80,7 @@ def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tup
     confidence interval of the client mean, its other statistics and losses, per architecture;
     the test accuracy at the round chosen on validation (never a round chosen on test data);
     the rounds, bytes and seconds to each `eval.targets` accuracy, or "not reached"."""
-    from rayfl.engine.loop import AT_BEST_VAL, target_key
+    from rayfl.engine.metrics import AT_BEST_VAL, target_key
 
     def num(key: str, prefix: str = "") -> str:
         value = final.get(prefix + key)

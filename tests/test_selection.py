@@ -17,7 +17,8 @@ import pytest
 
 import rayfl.engine.loop as loop
 from rayfl.config import build_config
-from rayfl.engine.loop import AT_BEST_VAL, Simulation
+from rayfl.engine.loop import Simulation
+from rayfl.engine.metrics import AT_BEST_VAL
 from rayfl.errors import ConfigError
 from rayfl.tune.report import _best
 from rayfl.tune.sweep import TEST_METRIC, VAL_METRIC, ranking_metric

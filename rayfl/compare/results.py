@@ -13,7 +13,7 @@ import numpy as np
 from rayfl.compare.suite import Suite, SuiteRun
 
 PERSONAL = "personal/acc"
-# the test accuracy at the round chosen on validation (`rayfl.engine.loop.at_best_val`)
+# the test accuracy at the round chosen on validation (`rayfl.engine.metrics.at_best_val`)
 AT_BEST_VAL = "at_best_val/personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
 

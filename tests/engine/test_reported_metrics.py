@@ -11,7 +11,7 @@ import pytest
 
 import rayfl
 from rayfl.cli import final_table
-from rayfl.engine.loop import CLIENT_COLUMNS, at_best_val, ci95, reached_targets
+from rayfl.engine.metrics import CLIENT_COLUMNS, at_best_val, ci95, reached_targets
 
 
 def _row(rnd: int, acc: float, up: float, down: float, secs: float) -> dict[str, float]:
