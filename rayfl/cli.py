@@ -34,12 +34,7 @@ def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
 def final_table(result: Any, wall_s: float) -> str:
     cfg: RunConfig = result.config
     final = result.final
-    rows: list[tuple[str, str]] = []
-    for key in sorted(final):
-        if key.startswith("personal/acc") and "/arch=" not in key:
-            rows.append((key, f"{final[key]:.4f}"))
-    for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
-        rows.append((key, f"{final[key]:.4f}"))
+    rows: list[tuple[str, str]] = accuracy_rows(final, cfg.eval.targets)
     if "baseline/local_acc" in final:
         rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
         rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
@@ -78,6 +73,48 @@ def final_table(result: Any, wall_s: float) -> str:
         f"seed {cfg.seed}, status {result.status}"
     )
     return format_table(rows, title)
+
+
+def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
+    """The final table's accuracy lines: the last round's personalized accuracy with the 95%
+    confidence interval of the client mean, its other statistics and losses, per architecture;
+    the test accuracy at the round chosen on validation (never a round chosen on test data);
+    the rounds, bytes and seconds to each `eval.targets` accuracy, or "not reached"."""
+    from rayfl.engine.metrics import AT_BEST_VAL, target_key
+
+    def num(key: str, prefix: str = "") -> str:
+        value = final.get(prefix + key)
+        return "-" if value is None else f"{value:.4f}"
+
+    rows = [("last round: personal/acc", num("personal/acc"))]
+    if "personal/acc_ci95" in final:
+        rows.append(
+            ("  client mean ± 95% CI", f"{num('personal/acc_mean')} ± {num('personal/acc_ci95')}")
+        )
+    for key in ("personal/acc_std", "personal/acc_worst10", "personal/loss"):
+        if key in final:
+            rows.append((f"  {key}", num(key)))
+    for key in ("personal/val_acc", "personal/val_loss"):
+        if key in final:
+            rows.append((f"  {key} (validation)", num(key)))
+    for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
+        rows.append((f"  {key}", num(key)))
+    if AT_BEST_VAL + "round" in final:
+        chosen = int(final[AT_BEST_VAL + "round"])
+        label = f"at best validation round ({chosen}): personal/acc"
+        ci = final.get(AT_BEST_VAL + "personal/acc_ci95")
+        mean = f"  (client mean {num('personal/acc_mean', AT_BEST_VAL)} ± {ci:.4f})" if ci else ""
+        rows.append((label, num("personal/acc", AT_BEST_VAL) + mean))
+    for t in targets:
+        rounds = final.get(target_key("rounds", t))
+        reached = (
+            "not reached"
+            if rounds is None
+            else f"round {rounds:g}, {final[target_key('bytes', t)] / 1e6:.2f} MB, "
+            f"{final[target_key('seconds', t)]:.1f} s"
+        )
+        rows.append((f"to personal/acc {t:g}", reached))
+    return rows
 
 
 def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]:

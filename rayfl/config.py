@@ -65,6 +65,9 @@ class DataConfig:
     )
     public_fraction: float = 0.0  # held-out public / distillation split taken before partitioning
     train_samples: int | None = None  # seeded subset of the training set (None: all of it)
+    # per-client validation split, carved (stratified, seeded) from the client's training split;
+    # `rayfl tune` and best-round selection choose on it (0: none, the splits stay as without it)
+    val_fraction: float = 0.0
     options: dict[str, Any] = field(default_factory=dict)  # dataset-specific (e.g. synthetic sizes)
     domains: DomainsConfig = field(default_factory=DomainsConfig)  # feature shift, domains
 
@@ -256,6 +259,9 @@ class EvalConfig:
     # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
     # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
     local_baseline: bool = False
+    # accuracy targets: `rounds_to/acc_<t>`, `bytes_to/acc_<t>` and `seconds_to/acc_<t>` are the
+    # round, cumulative bytes (up + down) and wall seconds at which personal/acc first reaches t
+    targets: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

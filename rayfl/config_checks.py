@@ -57,6 +57,7 @@ RANGES: dict[str, Range] = {
     "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
     "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
     "data.train_samples": AT_LEAST_1,
+    "data.val_fraction": Range(lo=0, hi=1, hi_open=True),
     "train.local_epochs": Range(lo=0, hi=10_000),
     "train.batch_size": AT_LEAST_1,
     "train.lr": POSITIVE,
@@ -293,6 +294,11 @@ def check(cfg: RunConfig) -> None:
             "model.proportions",
             "every proportion must be > 0",
         )
+    require(
+        all(0 < t <= 1 for t in cfg.eval.targets),
+        "eval.targets",
+        f"every target accuracy must be in (0, 1] (got {list(cfg.eval.targets)})",
+    )
     check_feasible(cfg)
 
 

@@ -137,7 +137,9 @@ def _history(path: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- a run
 
 
-def _final_rows(final: Mapping[str, Any]) -> tuple[list[list[Any]], list[str]]:
+def _final_rows(
+    final: Mapping[str, Any], targets: Sequence[Any] = ()
+) -> tuple[list[list[Any]], list[str]]:
     rows: list[list[Any]] = []
     classes: list[str] = []
 
@@ -146,7 +148,36 @@ def _final_rows(final: Mapping[str, Any]) -> tuple[list[list[Any]], list[str]]:
             rows.append([label, final[key]])
             classes.append(cls)
 
-    add("personalized accuracy (personal/acc)", "personal/acc")
+    add("personalized accuracy, last round (personal/acc)", "personal/acc")
+    if final.get("personal/acc_ci95") is not None:
+        rows.append(
+            [
+                "client mean ± 95% confidence interval",
+                f"{final.get('personal/acc_mean', float('nan')):.4f} ± "
+                f"{final['personal/acc_ci95']:.4f}",
+            ]
+        )
+        classes.append("")
+    add("validation accuracy, last round (personal/val_acc)", "personal/val_acc")
+    if final.get("at_best_val/round") is not None:
+        chosen = int(final["at_best_val/round"])
+        add(
+            f"personalized accuracy at the best validation round ({chosen})",
+            "at_best_val/personal/acc",
+        )
+    for key in ("personal/loss", "personal/val_loss"):
+        add(key, key)
+    for target in targets:
+        t = f"{float(target):g}"
+        rounds, b = final.get(f"rounds_to/acc_{t}"), final.get(f"bytes_to/acc_{t}")
+        sec = final.get(f"seconds_to/acc_{t}")
+        reached = (
+            "not reached"
+            if rounds is None
+            else f"round {rounds:g}, {(b or 0) / 1e6:.2f} MB, {sec or 0:.1f} s"
+        )
+        rows.append([f"to personal/acc {t}", reached])
+        classes.append("")
     if "baseline/local_acc" in final:
         add("local-only accuracy, same partition (baseline/local_acc)", "baseline/local_acc")
         gain = final.get("baseline/gain_points") or 0.0
@@ -182,7 +213,7 @@ def _arch_bars(
 
 def run_report(run_dir: Path) -> str:
     from rayfl.engine.rundir import check_run_dir, read_summary
-    from rayfl.tracking.plots import plot_learning_curves
+    from rayfl.tracking.plots import plot_cost_curves, plot_learning_curves
 
     check_run_dir(run_dir)
     summary = read_summary(run_dir)
@@ -196,7 +227,11 @@ def run_report(run_dir: Path) -> str:
         f"seed {summary.get('seed')}, {summary.get('rounds')} rounds, status "
         f"{summary.get('status')}, wall time {summary.get('wall_s', 0):.0f} s"
     )
-    rows, classes = _final_rows(final)
+    targets = _section(cfg, "eval").get("targets") or []
+    targets = (
+        [t for t in targets if isinstance(t, int | float)] if isinstance(targets, list) else []
+    )
+    rows, classes = _final_rows(final, targets)
     sections = [("Final metrics", table(["metric", "value"], rows, classes))]
     if history:
         sections.append(
@@ -240,6 +275,13 @@ def run_report(run_dir: Path) -> str:
                 "Personalized accuracy per domain",
                 table(["domain", algo], body)
                 + figure(partial(_arch_bars, groups, xlabel="domain"), "per domain"),
+            )
+        )
+    if history:
+        sections.append(
+            (
+                "Accuracy against communication and time",
+                figure(lambda p: plot_cost_curves({algo: [history]}, p), "accuracy vs cost"),
             )
         )
     if is_file(run_dir / "label_distribution.png"):
@@ -299,7 +341,7 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
         std_col,
         table_rows,
     )
-    from rayfl.tracking.plots import plot_compare
+    from rayfl.tracking.plots import plot_compare, plot_cost_curves
 
     page_dir = page_dir or out_dir
     runs = _read_parquet(out_dir / "runs.parquet")
@@ -349,6 +391,13 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
                     figure(partial(plot_compare, means, ylabel=PERSONAL, spread=spread), "curves"),
                 )
             )
+            mean = "mean over seeds" if seeds > 1 else "one seed"
+            sections.append(
+                (
+                    f"Personalized accuracy against communication and time, {mean}{suffix}",
+                    figure(partial(plot_cost_curves, histories), "accuracy vs cost"),
+                )
+            )
     settings = any(r["setting"] for r in runs)
     header = ["algorithm", "seed", "status", PERSONAL, "rounds", "run directory", "MLflow run"]
     header = ["setting", *header] if settings else header
@@ -393,6 +442,7 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     import yaml
 
     from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
+    from rayfl.tune.sweep import TEST_METRIC, is_validation_metric
 
     page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
@@ -409,7 +459,10 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
         k for k in (rows[0] if rows else {}) if k.startswith(("algorithm.", "train.", "data."))
     ]
     log_params = _log_sampled(space_spec) if isinstance(space_spec, Mapping) else []
-    header = ["trial", *params, metric, "rounds", "status", "run", "MLflow run"]
+    # a validation metric ranks; the test accuracy of the same round is shown, never ranked on
+    shown = [metric] + ([TEST_METRIC] if is_validation_metric(metric) else [])
+    names = [f"{m} (test)" if m != metric else m for m in shown]
+    header = ["trial", *params, *names, "rounds", "status", "run", "MLflow run"]
     body = []
     for r in rows:
         run_dir = out_dir / "trials" / str(r.get("trial", ""))
@@ -417,7 +470,7 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
             [
                 r.get("trial", ""),
                 *(_short(r.get(p)) for p in params),
-                r.get(metric),
+                *(r.get(m) for m in shown),
                 r.get("rounds"),
                 r.get("status", "") + (f": {r['error']}" if r.get("error") else ""),
                 *run_links(run_dir, page_dir, ""),
@@ -428,8 +481,12 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     scored = [r for r in rows if isinstance(r.get(metric), float) and math.isfinite(r[metric])]
     if scored:
         best = (max if mode == "max" else min)(scored, key=lambda r: r[metric])
-        best_rows = [[p, _short(best.get(p))] for p in params] + [[metric, best[metric]]]
-        text = f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)})</p>"
+        best_rows = [[p, _short(best.get(p))] for p in params]
+        best_rows += [[n, best.get(m)] for n, m in zip(names, shown)]
+        where = "validation data" if is_validation_metric(metric) else "TEST data"
+        text = (
+            f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)}, chosen on {where})</p>"
+        )
         text += table(["parameter", "value"], best_rows)
         if is_file(out_dir / "best_config.yaml"):
             text += (

@@ -44,6 +44,7 @@ class Purpose(IntEnum):
     # server test set's (seed, DATA_SHIFT)
     DATA_SHIFT = 11
     DATA_DOMAIN = 12  # a multi-domain dataset's per-domain partition: (seed, domain, DATA_DOMAIN)
+    DATA_VAL = 13  # a client's validation split, out of its train split: (seed, client, DATA_VAL)
     DEVICE_TIER = 20  # clients drawn into device tiers (`devices.proportions`): (seed, DEVICE_TIER)
     DEVICE_AVAILABLE = 21  # a device's availability: (seed, round, client, DEVICE_AVAILABLE)
     DEVICE_DROPOUT = 22  # a device dropping out mid-training: (seed, round, client, DEVICE_DROPOUT)

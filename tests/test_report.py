@@ -43,7 +43,8 @@ def test_run_report_is_self_contained(run_dir, capsys):
     assert f"{final['personal/acc']:.4f}" in page
     assert f"{final['baseline/local_acc']:.4f}" in page
     assert f"{final['baseline/gain_points']:+.2f}" in page
-    assert page.count("data:image/png;base64,") == 3  # curves, per-architecture bars, labels
+    # curves, accuracy against communication and time, per-architecture bars, labels
+    assert page.count("data:image/png;base64,") == 4
     assert "<link" not in page and 'src="http' not in page and "<script" not in page
     assert "tiny_a" in page and "Label distribution" in page
 
@@ -102,10 +103,13 @@ def test_sweep_report_lists_trials(tmp_path):
     sh.copy("experiments/sweeps/pfedes_T_alpha.yaml", tmp_path / "sweep.yaml")
     rows = [
         {"trial": f"t{i}", "algorithm.T": t, "algorithm.alpha": a, "algorithm.embed_dim": 64}
-        | {"personal/acc": acc, "rounds": 3, "status": "done", "error": ""}
-        for i, (t, a, acc) in enumerate([(2.0, 0.1, 0.61), (4.0, 0.3, 0.6432)])
+        | {"personal/val_acc": val, "personal/acc": acc, "rounds": 3, "status": "done", "error": ""}
+        for i, (t, a, val, acc) in enumerate([(2.0, 0.1, 0.6, 0.7), (4.0, 0.3, 0.6432, 0.5)])
     ]
     write_results(rows, tmp_path / "results.parquet")
     page = write_report(tmp_path).read_text()
     assert "2 trials" in page and "0.6432" in page and "algorithm.alpha" in page
+    # ranked on validation: t1 wins though t0's test accuracy is higher; its test score is shown
+    assert "<p>trial t1 (max personal/val_acc, chosen on validation data)</p>" in page
+    assert "personal/acc (test)" in page
     assert page.count("data:image/png;base64,") == 1

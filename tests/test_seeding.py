@@ -34,6 +34,7 @@ def streams() -> dict[tuple[int, ...], set[str]]:
             add("DATA_SPLIT", words(Purpose.DATA_SPLIT, s, client=c))
             add("DATA_SHIFT", words(Purpose.DATA_SHIFT, s, client=c))
             add("DATA_DOMAIN", words(Purpose.DATA_DOMAIN, s, client=c))
+            add("DATA_VAL", words(Purpose.DATA_VAL, s, client=c))
         for r in ROUNDS:
             add("SERVER", words(Purpose.SERVER, s, r))
             add("SERVER_DATA", server_data_words(s, r))

@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _write(tmp_path: Path, base: dict[str, Any], sweep: dict[str, Any]) -> Path:
+    """The sweep file and its base, which holds a validation split to rank trials on."""
+    base = {**base, "data": {"val_fraction": 0.2, **base.get("data", {})}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"sweep": "tiny", "base": "base.yaml", **sweep}))
@@ -257,8 +259,11 @@ def test_tiny_sweep_writes_results_best_config_and_mlflow_runs(
     assert sorted(r["algorithm.alpha"] for r in rows) == [0.1, 1.0]
     assert all(r["status"] == "done" and r["rounds"] == 2 for r in rows)
     assert all(0.0 <= r["personal/acc"] <= 1.0 for r in rows)
+    assert all(0.0 <= r["personal/val_acc"] <= 1.0 for r in rows)
     assert len({r["trial"] for r in rows}) == 2
-    best = max(rows, key=lambda r: r["personal/acc"])
+    # ranked on validation; the chosen trial's test accuracy is reported beside it
+    assert result.sweep.tune.metric == "personal/val_acc"
+    best = max(rows, key=lambda r: r["personal/val_acc"])
     assert result.best is not None and result.best["trial"] == best["trial"]
     for row in rows:
         assert row["trial"] in text
@@ -273,7 +278,9 @@ def test_tiny_sweep_writes_results_best_config_and_mlflow_runs(
     assert result.parent_run_id is not None
     parent = client.get_run(result.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.info.run_name == "tiny"
+    assert parent.data.metrics["best/personal/val_acc"] == pytest.approx(best["personal/val_acc"])
     assert parent.data.metrics["best/personal/acc"] == pytest.approx(best["personal/acc"])
+    assert "chosen on validation" in text
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.parquet", "best_config.yaml", "metric_vs_params.png"} <= artifacts
     children = client.search_runs(

@@ -13,6 +13,8 @@ import numpy as np
 from rayfl.compare.suite import Suite, SuiteRun
 
 PERSONAL = "personal/acc"
+# the test accuracy at the round chosen on validation (`rayfl.engine.metrics.at_best_val`)
+AT_BEST_VAL = "at_best_val/personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
 DOMAIN_PREFIX = "personal/acc/domain="  # a federation with domains (`data.domains`)
 
@@ -176,10 +178,14 @@ GAIN = "baseline/gain_points"
 
 def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The comparison as (header, rows) of text cells, shared by the printed table and the HTML
-    report: personalized accuracy, gain over local (when measured), server-side models'
-    accuracy, communication, wall time, runs."""
+    report: personalized accuracy (last round, and at the round chosen on validation when the
+    clients have a validation split; never a round chosen on test data), gain over local (when
+    measured), server-side models' accuracy, communication, wall time, runs."""
     gain = any(mean_col(GAIN) in r for r in results)
-    header = ["algorithm", "personal acc", *(["gain over local (pts)"] if gain else [])]
+    val = any(mean_col(AT_BEST_VAL) in r for r in results)
+    header = ["algorithm", "personal acc (last round)"]
+    header += ["personal acc (best-val round)"] if val else []
+    header += ["gain over local (pts)"] if gain else []
     header += ["server model acc", "MB/round up+down", "wall s/run", "runs"]
     body = []
     for agg in results:
@@ -190,6 +196,7 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
             [
                 agg["label"],
                 _pm(agg, PERSONAL),
+                *([_pm(agg, AT_BEST_VAL)] if val else []),
                 *([_pm(agg, GAIN, "{:+.2f}")] if gain else []),
                 server,
                 _pm(agg, "comm/mb_per_round", "{:.3f}"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ PARTITION_FILE = "partition.parquet"
 CLASS_COUNTS_FILE = "class_counts.parquet"
 # Rows of the public split carry this client id in partition.parquet / class_counts.parquet.
 PUBLIC_CLIENT = -1
+# A client's splits, in the order partition.parquet lists them ("val" only when some client has one).
+SPLITS = ("train", "test", "val")
 
 # Independent random streams per stage, so e.g. changing test_fraction leaves the partition alone.
 
@@ -41,10 +43,14 @@ class ClientSplit:
     Attributes:
         train: the client's training samples.
         test: the client's local test split, with the same label distribution as `train`.
+        val: the client's validation split, carved from its training samples with the same
+            label distribution (`data.val_fraction`; empty when 0). Hyperparameters and rounds
+            are chosen on it, never on `test`.
     """
 
     train: np.ndarray
     test: np.ndarray
+    val: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @property
     def num_samples(self) -> int:
@@ -76,17 +82,22 @@ class Federation:
         """Number of clients."""
         return len(self.clients)
 
+    @property
+    def has_val(self) -> bool:
+        """Whether any client holds a validation split."""
+        return any(len(c.val) for c in self.clients)
+
     def class_counts(self, split: str = "train") -> np.ndarray:
         """Per-client label histogram.
 
         Args:
-            split: "train" or "test".
+            split: "train", "test" or "val".
 
         Returns:
             (num_clients, num_classes) int64 counts.
         """
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be 'train', 'test' or 'val', not {split!r}")
         labels = self.dataset.y_train
         c = self.dataset.num_classes
         rows = [np.bincount(labels[getattr(s, split)], minlength=c) for s in self.clients]
@@ -143,6 +154,17 @@ def _split_client(
     )
 
 
+def _carve_val(
+    split: ClientSplit, labels: np.ndarray, fraction: float, seed: int, cid: int
+) -> ClientSplit:
+    """`split` with a stratified `fraction` of its training samples moved to `val` (at least one
+    training sample stays), drawn from the client's own validation stream, so the train/test
+    split is the one `val_fraction=0` gives and other clients' draws do not matter."""
+    rng = rng_of(words(Purpose.DATA_VAL, seed, client=cid))
+    carved = _split_client(split.train, labels, fraction, rng)
+    return replace(split, train=carved.train, val=carved.test)
+
+
 def build_federation(
     dataset: ArrayDataset,
     *,
@@ -154,13 +176,17 @@ def build_federation(
     public_fraction: float = 0.0,
     train_samples: int | None = None,
     domains: DomainsConfig | None = None,
+    val_fraction: float = 0.0,
 ) -> Federation:
     """Split `dataset.x_train` over clients, deterministically in `seed`.
 
     Steps: (1) if `train_samples` is set, keep a seeded random subset of that many training
     samples; (2) hold out a seeded `public_fraction` of those as the public split; (3) partition
     the rest with the named partitioner; (4) split each client's samples into train and test,
-    stratified by class, with `test_fraction` in test (every client keeps >= 1 train sample).
+    stratified by class, with `test_fraction` in test (every client keeps >= 1 train sample);
+    (5) move a stratified `val_fraction` of each client's training samples to its validation
+    split. Every step draws its own stream (`rayfl.seeding`): `val_fraction=0` leaves the
+    splits exactly as they were without it, and the split is the same for every algorithm.
 
     Args:
         dataset: the dataset to split.
@@ -174,6 +200,8 @@ def build_federation(
         domains: `data.domains`: clients in domains and feature skew (`rayfl.data.domains`),
             applied after step (4) on copies of the arrays; a dataset with its own domains is
             partitioned per domain in step (3).
+        val_fraction: share of each client's training split moved to its validation split,
+            in [0, 1).
 
     Returns:
         The federation (index arrays only; the data stays in `dataset`).
@@ -187,6 +215,8 @@ def build_federation(
         raise ConfigError(f"data.test_fraction: {test_fraction} must be in [0, 1)")
     if not 0.0 <= public_fraction < 1.0:
         raise ConfigError(f"data.public_fraction: {public_fraction} must be in [0, 1)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: {val_fraction} must be in [0, 1)")
     fn = PARTITIONERS.get(partitioner, key="data.partition.name")
     options = dict(partition_options or {})
     _check_partition_options(partitioner, fn, options)
@@ -230,6 +260,11 @@ def build_federation(
         )
         for cid, part in enumerate(parts)
     )
+    # (5) the validation splits, out of the training splits
+    if val_fraction > 0:
+        clients = tuple(
+            _carve_val(c, dataset.y_train, val_fraction, seed, cid) for cid, c in enumerate(clients)
+        )
     fed = Federation(dataset=dataset, clients=clients, public=public)
     if plan is not None:  # the inputs' feature shift, once, on copies of the arrays
         fed = plan.apply(fed, seed)
@@ -251,7 +286,8 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
 
     Files:
         `partition.parquet`: columns `client` (int32, -1 for public), `split`
-        ('train' | 'test' | 'public'), `index` (int64 into `x_train`).
+        ('train' | 'test' | 'val' | 'public'; 'val' only when a client has a validation split),
+        `index` (int64 into `x_train`).
         `class_counts.parquet`: columns `client`, `split`, `class` (int32), `count` (int64),
         one row per client, split and class (zeros included).
 
@@ -269,11 +305,8 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    groups = [
-        (cid, name, getattr(s, name))
-        for cid, s in enumerate(fed.clients)
-        for name in ("train", "test")
-    ]
+    names = SPLITS if fed.has_val else SPLITS[:2]
+    groups = [(cid, name, getattr(s, name)) for cid, s in enumerate(fed.clients) for name in names]
     groups.append((PUBLIC_CLIENT, "public", fed.public))
 
     def column(values: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -332,7 +365,8 @@ def load_partition(path: str | Path) -> dict[str, Any]:
     ids = sorted(int(c) for c in np.unique(client) if c != PUBLIC_CLIENT)
     return {
         "clients": {
-            cid: ClientSplit(train=pick(cid, "train"), test=pick(cid, "test")) for cid in ids
+            cid: ClientSplit(train=pick(cid, "train"), test=pick(cid, "test"), val=pick(cid, "val"))
+            for cid in ids
         },
         "public": pick(PUBLIC_CLIENT, "public"),
     }

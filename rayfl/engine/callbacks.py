@@ -185,9 +185,13 @@ def versions() -> dict[str, str]:
     }
 
 
+CLIENTS_FILE = "clients.parquet"
+
+
 class RunDirectory(Callback):
-    """Writes the run directory: config.yaml, partition Parquet and plot, metrics.parquet after every
-    round (so a crash loses no measured round), summary.json and plots at the end.
+    """Writes the run directory: config.yaml, partition Parquet and plot, metrics.parquet and
+    clients.parquet (one row per client and evaluated round, `rayfl.engine.loop.CLIENT_COLUMNS`)
+    after every round (so a crash loses no measured round), summary.json and plots at the end.
 
     The plots are drawn by a plotting process at the lowest CPU priority, started with the run
     (`rayfl.tracking.plotter`; `plot_process=False`: in this process, at the end)."""
@@ -200,12 +204,19 @@ class RunDirectory(Callback):
         self._partition: Background | None = None
         self._plot_process = plot_process
         self._plotter: Any = None
+        self._clients_before: list[dict[str, Any]] = []  # a resumed run's earlier rounds
 
     def on_run_start(self, sim: Simulation) -> None:
         from rayfl.data.federated import save_partition
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
+        if sim.start_round > 1 and (self.run_dir / CLIENTS_FILE).is_file():
+            from rayfl.safefile import read_table
+
+            self._clients_before = [
+                r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round
+            ]
         config_path = self.run_dir / "config.yaml"
         write_atomic(config_path, yaml.safe_dump(to_dict(sim.cfg), sort_keys=False).encode())
         # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
@@ -241,6 +252,8 @@ class RunDirectory(Callback):
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         self._partition_saved()
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
+        if sim.result.clients and sim.result.clients[-1]["round"] == round_idx:
+            write_table(self._clients_before + sim.result.clients, self.run_dir / CLIENTS_FILE)
 
     def write_summary(self, sim: Simulation, status: str) -> None:
         """summary.json as strict JSON (NaN and inf written as null), replaced atomically."""
@@ -299,6 +312,8 @@ class RunDirectory(Callback):
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
             self.artifacts.append(self.run_dir / "metrics.parquet")
+            if (self.run_dir / CLIENTS_FILE).is_file():
+                self.artifacts.append(self.run_dir / CLIENTS_FILE)
 
 
 def write_metrics(history: list[dict[str, float]], path: Path) -> None:
@@ -311,7 +326,7 @@ def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
     import numpy as np
 
     fed = sim.federation
-    used = np.sort(np.concatenate([np.concatenate([c.train, c.test]) for c in fed.clients]))
+    used = np.sort(np.concatenate([np.concatenate([c.train, c.test, c.val]) for c in fed.clients]))
     ds, name = fed.dataset, sim.cfg.data.dataset
     return [
         (f"{name}-clients-{len(used)}", "train", ds.x_train[used], ds.y_train[used]),

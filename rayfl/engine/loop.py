@@ -36,6 +36,13 @@ from rayfl.engine.checkpoint import Restored, client_templates
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
 from rayfl.engine.early import EarlyRay
 from rayfl.engine.executor import Executor, SerialExecutor
+from rayfl.engine.metrics import (
+    at_best_val,
+    ci95,
+    per_client_rows,
+    reached_targets,
+    weighted_mean,
+)
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.startup import StartupClock, spill_dir
@@ -48,7 +55,9 @@ log = logging.getLogger(__name__)
 
 # What a client's evaluation row keeps while its deployed model is unchanged: the model's score,
 # not the algorithm's diagnostics against the payload it was scored with (`_evaluate_deployed`).
-SCORE_KEYS = frozenset({"client", "arch", "acc", "num_test", "baseline_acc"})
+SCORE_KEYS = frozenset(
+    {"client", "arch", "acc", "loss", "num_test", "val_acc", "val_loss", "num_val", "baseline_acc"}
+)
 
 
 @dataclass
@@ -58,13 +67,17 @@ class RunResult:
     status: str = "FINISHED"
     run_dir: Path | None = None
     tracker_run_id: str | None = None
+    # one row per client and evaluated round (`client_rows`): written as clients.parquet
+    clients: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def final(self) -> dict[str, float]:
-        """The last value of every metric over the run."""
+        """The last value of every metric over the run, and the round chosen on validation
+        (`at_best_val`) when the clients have a validation split."""
         out: dict[str, float] = {}
         for row in self.history:
             out.update(row)
+        out.update(at_best_val(self.history))
         return out
 
 
@@ -90,6 +103,7 @@ def prepare_federation(cfg: RunConfig) -> Federation:
         public_fraction=cfg.data.public_fraction,
         train_samples=cfg.data.train_samples,
         domains=cfg.data.domains,
+        val_fraction=cfg.data.val_fraction,
     )
 
 
@@ -119,8 +133,9 @@ def summarize_clients(
     evaluated: list[ClientMetrics] | None = None,
     client_domain: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Personalized accuracy (sample-weighted, mean, std, worst 10%), per architecture, per
-    domain, extras.
+    """Personalized accuracy (sample-weighted, mean, std, worst 10%, 95% confidence interval
+    over clients), per architecture, per domain; the test loss; the validation accuracy and loss
+    when the clients have a validation split; the algorithm's extras.
 
     `rows` are the participants' fit rows (training metrics, and accuracy under `after_fit`);
     `evaluated`, when given, are the evaluation phase's rows (`deployed`) and the only ones scored;
@@ -142,6 +157,12 @@ def summarize_clients(
         out["personal/acc_std"] = float(acc.std())
         k = max(1, int(np.ceil(0.1 * len(acc))))
         out["personal/acc_worst10"] = float(np.sort(acc)[:k].mean())
+        out["personal/acc_ci95"] = ci95(acc)
+        if all("loss" in r for r in scored):
+            out["personal/loss"] = weighted_mean(scored, "loss", "num_test")
+        if all("val_acc" in r for r in scored):
+            out["personal/val_acc"] = weighted_mean(scored, "val_acc", "num_val")
+            out["personal/val_loss"] = weighted_mean(scored, "val_loss", "num_val")
         by_arch: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in scored:
             by_arch[r["arch"]].append((r["acc"], r["num_test"]))
@@ -152,7 +173,7 @@ def summarize_clients(
             out.update(_domain_summary(scored, client_domain))
         if all("baseline_acc" in r for r in scored):
             out.update(_baseline_summary(scored, out["personal/acc"]))
-        skip = {"client", "arch", "acc", "baseline_acc", "num_test", "num_train"}
+        skip = set(SCORE_KEYS) | {"num_train"}
         skip |= {"train_s", "bytes_up"}
         extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
         for key in sorted(extras):
@@ -415,7 +436,8 @@ class Simulation:
             row.update(self._clock_metrics(rnd, plan, comm))
         row["time/round_s"] = time.perf_counter() - start
         view = ex.snapshot() if handle is not None else ex
-        self._pending = _Pending(rnd, row, handle, view, clients, client_rows)
+        scored = eval_rows if eval_rows is not None else [r for r in client_rows if "acc" in r]
+        self._pending = _Pending(rnd, row, handle, view, clients, client_rows, scored)
         if handle is None:
             self._finish_pending()
         return row
@@ -448,7 +470,7 @@ class Simulation:
         row["comm/bytes_up_total"] = comm["up"]
         row["comm/bytes_down_total"] = comm["down"]
         row["time/round_s"] = time.perf_counter() - start
-        self._pending = _Pending(rnd, row, None, self.executor, [], [])
+        self._pending = _Pending(rnd, row, None, self.executor, [], [], [])
         self._finish_pending()
         return row
 
@@ -499,7 +521,9 @@ class Simulation:
         pending.row.update(self.executor.collect_eval(pending.handle))
         if pending.handle is not None:
             pending.row["time/eval_wait_s"] = time.perf_counter() - wait
+        pending.row.update(reached_targets(self.cfg.eval.targets, pending.row, self.result.history))
         self.result.history.append(pending.row)
+        self.result.clients += per_client_rows(self.federation, pending.round, pending.scored)
         self.last_client_rows = pending.client_rows
         self.last_clients = pending.clients
         for cb in self.callbacks:
@@ -522,3 +546,4 @@ class _Pending:
     view: Any  # the states at the end of the round (Executor.snapshot), for checkpoints
     clients: list[int]
     client_rows: list[ClientMetrics]
+    scored: list[ClientMetrics]  # the round's evaluation rows (none when it did not evaluate)

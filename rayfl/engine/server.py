@@ -27,9 +27,17 @@ from rayfl.engine.spec import (
     seed_torch,
     torch_threads,
 )
-from rayfl.engine.training import ArrayBatches, Step, accuracy, eval_batch_size, fit_tensors
+from rayfl.engine.training import (
+    ArrayBatches,
+    Step,
+    eval_batch_size,
+    fit_tensors,
+    score,
+    stat_batches,
+)
 from rayfl.errors import UserError
 from rayfl.models.base import place
+from rayfl.models.sbn import batch_independent
 from rayfl.seeding import Purpose, seed_of, server_data_words, words
 
 log = logging.getLogger(__name__)
@@ -43,13 +51,17 @@ class RoundFailed(UserError):
 
 
 class EngineServerData:
-    """`rayfl.algorithms.base.ServerData`: the public split and the server test set."""
+    """`rayfl.algorithms.base.ServerData`: the public split and the server test set; for scoring
+    only, every client's validation split (`val`) and, for batch-norm statistics, every client's
+    training split (`stat_batches`)."""
 
     def __init__(self, federation: Federation, device: torch.device, settings: TrainConfig):
         self.device = device
         self.settings = settings
         self._federation = federation
-        self._sizes = {"public": settings.batch_size, "test": eval_batch_size(settings, device)}
+        size = eval_batch_size(settings, device)
+        self._sizes = {"public": settings.batch_size, "test": size, "val": size}
+        self.has_val = federation.has_val
         self._cache: dict[str, ArrayBatches] = {}
         self.generator = torch.Generator()
 
@@ -60,6 +72,10 @@ class EngineServerData:
                 self._cache[split] = ArrayBatches(fed.dataset, fed.public, self.device)
             elif split == "test":
                 self._cache[split] = ArrayBatches(fed.dataset, None, self.device, test=True)
+            elif split in ("clients", "val"):
+                part = "train" if split == "clients" else "val"
+                union = np.sort(np.concatenate([getattr(c, part) for c in fed.clients]))
+                self._cache[split] = ArrayBatches(fed.dataset, union, self.device)
             else:
                 raise ValueError(f"unknown server split {split!r}")
         return self._cache[split]
@@ -90,6 +106,11 @@ class EngineServerData:
             params=params,
             batch_size=batch_size,
         )
+
+    def stat_batches(self) -> Iterator[torch.Tensor]:
+        """The clients' training inputs, for a server model's batch-norm statistics
+        (`rayfl.models.sbn`): HeteroFL's sBN, where the server queries the clients for them."""
+        return stat_batches(self._data("clients"), self.settings.batch_size)
 
     def num_samples(self, split: str = "public") -> int:
         if split == "public":
@@ -215,13 +236,22 @@ class ServerRunner:
 
 
 def score_models(models: Mapping[str, nn.Module], data: EngineServerData) -> dict[str, float]:
-    """`<name>/acc` of each model on the server test set (in eval mode, under inference mode).
-    The models are moved to the data's device in its fastest layout (`place`): pass copies."""
+    """`<name>/acc` and `<name>/loss` of each model on the server test set, and `<name>/val_acc`
+    and `<name>/val_loss` on the clients' validation splits pooled when they have them (in eval
+    mode, batch norm made batch-independent as for the clients, under inference mode). The
+    models are moved to the data's device in its fastest layout (`place`): pass copies."""
     out = {}
     for name, model in models.items():
         place(model, data.device)
-        correct, total = accuracy(model, data.batches("test"))
-        out[f"{name}/acc"] = correct / total if total else float("nan")
+        # the splits' tensors are cached: made outside inference mode
+        splits = {"": data.batches("test")}
+        if data.has_val:
+            splits["val_"] = data.batches("val")
+        with batch_independent(model, data.stat_batches):
+            for prefix, batches in splits.items():
+                scored = score(model, batches)
+                out[f"{name}/{prefix}acc"] = scored["acc"]
+                out[f"{name}/{prefix}loss"] = scored["loss"]
     return out
 
 

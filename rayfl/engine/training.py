@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import Batch, Client
 from rayfl.config import TrainConfig
 from rayfl.data.datasets import ArrayDataset
+from rayfl.models.sbn import batch_independent
 
 
 def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -194,8 +196,18 @@ class ArrayBatches:
             yield self.x[start : start + batch_size], y[start : start + batch_size]
 
 
+def stat_batches(data: ArrayBatches, batch_size: int) -> Iterator[torch.Tensor]:
+    """The inputs of `data` in training-sized batches, in one fixed shuffled order: the pass
+    over which batch-statistics batch norm collects its running statistics before a model is
+    scored (`rayfl.models.sbn`). The order depends on nothing of the run, so the same model
+    on the same data always gets the same statistics."""
+    order = torch.Generator().manual_seed(0)
+    return (x for x, _ in shuffled_batches(data.x, data.y, batch_size, order))
+
+
 class LocalTrainer:
-    """`rayfl.algorithms.base.Trainer` over one client's train/test splits and the public split."""
+    """`rayfl.algorithms.base.Trainer` over one client's train/test/validation splits and the
+    public split."""
 
     def __init__(
         self,
@@ -206,12 +218,15 @@ class LocalTrainer:
         device: torch.device,
         generator: torch.Generator,
         public: Callable[[], ArrayBatches] | None = None,
+        val_idx: np.ndarray | None = None,
     ) -> None:
         self.settings = settings
         self.device = device
         self.generator = generator
         self._dataset = dataset
         self._indices = {"train": train_idx, "test": test_idx}
+        if val_idx is not None and len(val_idx):
+            self._indices["val"] = val_idx
         self._public = public
         self._cache: dict[str, ArrayBatches] = {}
         self.num_samples = len(train_idx)
@@ -225,9 +240,18 @@ class LocalTrainer:
             self._cache[split] = ArrayBatches(self._dataset, self._indices[split], self.device)
         return self._cache[split]
 
+    @property
+    def has_val(self) -> bool:
+        """Whether the client has a validation split (`data.val_fraction`)."""
+        return "val" in self._indices
+
     def batches(self, split: str = "train", shuffle: bool = False) -> Iterator[Batch]:
         size = self.settings.batch_size if shuffle else eval_batch_size(self.settings, self.device)
         return self.data(split).iterate(size, self.generator if shuffle else None)
+
+    def stat_batches(self) -> Iterator[torch.Tensor]:
+        """The client's training inputs for batch-norm statistics (`stat_batches`)."""
+        return stat_batches(self.data("train"), self.settings.batch_size)
 
     def run(
         self,
@@ -269,41 +293,57 @@ def eval_batch_size(settings: TrainConfig, device: torch.device) -> int:
     return 128 if device.type == "cpu" else 1024
 
 
-@torch.inference_mode()
-def accuracy(model: nn.Module, batches: Iterable[Batch]) -> tuple[int, int]:
-    """(correct, total) of `model` over `batches` in eval mode."""
-    model.eval()
+def score(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    extra: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """`acc`, mean cross-entropy `loss` and sample count `n` of `model` (in the mode it is in)
+    over `batches`, under inference mode, plus the sample-weighted means of `extra(x, y)`'s
+    metrics. Empty batches give NaN accuracy and loss."""
     correct = total = 0
-    for x, y in batches:
-        correct += int((logits_of(model(x)).argmax(1) == y).sum())
-        total += len(y)
-    return correct, total
+    loss = 0.0
+    sums: dict[str, float] = {}
+    with torch.inference_mode():
+        for x, y in batches:
+            logits = logits_of(model(x))
+            correct += int((logits.argmax(1) == y).sum())
+            loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+            total += len(y)
+            for k, v in (extra(x, y) if extra is not None else {}).items():
+                sums[k] = sums.get(k, 0.0) + v * len(y)
+    nan = float("nan")
+    out = {"acc": correct / total if total else nan, "loss": loss / total if total else nan}
+    out["n"] = float(total)
+    out.update({k: v / total for k, v in sums.items()} if total else {})
+    return out
 
 
 def evaluate_client(
     client: Client, trainer: LocalTrainer, model: nn.Module | None = None
 ) -> dict[str, float]:
-    """Personalized accuracy of `model` (default: `client.eval_model()`) on the client's own test
-    split, plus the algorithm's extra metrics.
+    """Personalized accuracy and loss of `model` (default: `client.eval_model()`) on the
+    client's own test split (`acc`, `loss`, `num_test`), plus the algorithm's extra metrics, and
+    on its validation split when it has one (`val_acc`, `val_loss`, `num_val`).
 
-    The batches run under `torch.inference_mode` (no autograd bookkeeping: ~10% faster than
-    `no_grad` for small CNNs on a CPU, same numbers); `eval_model()` is called outside it, as
-    it may build modules that training later uses, which inference tensors could not be, and so
-    are the split's cached tensors."""
+    The model is scored in eval mode with batch-independent batch norm (`rayfl.models.sbn`:
+    batch-statistics layers get running statistics over the client's training data first), so
+    no sample's score depends on the others in its batch. The batches run under
+    `torch.inference_mode` (no autograd bookkeeping: ~10% faster than `no_grad` for small CNNs
+    on a CPU, same numbers); `eval_model()` is called outside it, as it may build modules that
+    training later uses, which inference tensors could not be, and so are the split's cached
+    tensors."""
     for m in client.modules():
         m.eval()
     with torch.no_grad():
         model = client.eval_model() if model is None else model
-    model.eval()
-    correct = total = 0
-    extra: dict[str, float] = {}
-    batches = trainer.batches("test")  # its tensors are cached: made outside inference mode
-    with torch.inference_mode():
-        for x, y in batches:
-            correct += int((logits_of(model(x)).argmax(1) == y).sum())
-            total += len(y)
-            for k, v in client.eval_metrics(x, y).items():
-                extra[k] = extra.get(k, 0.0) + v * len(y)
-    out = {"acc": correct / total if total else float("nan"), "num_test": float(total)}
-    out.update({k: v / total for k, v in extra.items()} if total else {})
+    test = trainer.batches("test")  # its tensors are cached: made outside inference mode
+    val = trainer.batches("val") if trainer.has_val else None
+    with batch_independent(model, trainer.stat_batches):
+        scored = score(model, test, client.eval_metrics)
+        out = {"acc": scored.pop("acc"), "loss": scored.pop("loss"), "num_test": scored.pop("n")}
+        out.update(scored)
+        if val is not None:
+            v = score(model, val)
+            out.update({"val_acc": v["acc"], "val_loss": v["loss"], "num_val": v["n"]})
     return out

@@ -76,6 +76,7 @@ class ClientRunner:
             self.device,
             torch.Generator().manual_seed(seed),
             public=self._public_batches,
+            val_idx=split.val,
         )
 
     def evaluate(

@@ -59,8 +59,7 @@ def _blocked_channels(module: nn.Module) -> bool:
     convolution (which reads the image), are multiples of 8."""
     convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
     return all(
-        c.out_channels % 8 == 0 and (i == 0 or c.in_channels % 8 == 0)
-        for i, c in enumerate(convs)
+        c.out_channels % 8 == 0 and (i == 0 or c.in_channels % 8 == 0) for i, c in enumerate(convs)
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import AutoLocator, MaxNLocator
 
 from rayfl.safefile import write_with
 
@@ -68,8 +68,13 @@ def default_keys(history: Sequence[Mapping[str, Any]]) -> list[str]:
     return keys + sorted(k for k in servers if k != "personal/acc")
 
 
-# A reference line drawn dashed in the panel of the metric it is compared with.
-REFERENCES = {"personal/acc": ("baseline/local_acc", "local-only, same partition")}
+# Reference lines drawn in the panel of the metric they are compared with (local-only: dashed).
+REFERENCES = {
+    "personal/acc": (
+        ("baseline/local_acc", "local-only, same partition"),
+        ("personal/val_acc", "validation"),
+    ),
+}
 
 
 def _new_figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: float = 4.0) -> Figure:
@@ -158,9 +163,9 @@ def plot_learning_curves(
         axes[0].set_xlabel("round")
     for ax, key in zip(axes, keys):
         named = {key: series(history, key)}
-        if key in REFERENCES:
-            ref, label = REFERENCES[key]
-            named[label] = series(history, ref)
+        for ref, label in REFERENCES.get(key, ()):
+            if any(ref in row for row in history):
+                named[label] = series(history, ref)
         if not _lines(ax, named):
             _no_data(ax, key)
         ax.set_title(key, fontsize="medium")
@@ -289,6 +294,62 @@ def plot_compare(
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize="medium")
+    return _save(fig, path)
+
+
+def cost_series(
+    histories: Sequence[Sequence[Mapping[str, Any]]], key: str = "personal/acc"
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """`key` against cumulative communication (MB, up + down) and against cumulative seconds
+    of rounds (`time/round_s` summed, start-up excluded), at every round `key` was measured,
+    each point the mean over `histories` (seeds) of the runs that have the round."""
+    by_round: dict[float, list[tuple[float, float, float]]] = {}
+    for history in histories:
+        seconds = 0.0
+        for row in history:
+            seconds += _finite(row.get("time/round_s")) or 0.0
+            value, rnd = _finite(row.get(key)), _finite(row.get("round"))
+            if value is None or rnd is None:
+                continue
+            up = _finite(row.get("comm/bytes_up_total")) or 0.0
+            down = _finite(row.get("comm/bytes_down_total")) or 0.0
+            by_round.setdefault(rnd, []).append(((up + down) / 1e6, seconds, value))
+    mb, secs = [], []
+    for _, points in sorted(by_round.items()):
+        n = len(points)
+        y = sum(p[2] for p in points) / n
+        mb.append((sum(p[0] for p in points) / n, y))
+        secs.append((sum(p[1] for p in points) / n, y))
+    return mb, secs
+
+
+def plot_cost_curves(
+    runs: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
+    path: str | Path,
+    key: str = "personal/acc",
+    title: str = "",
+) -> Path:
+    """Two panels: `key` against cumulative communication (MB, up + down) and against
+    cumulative wall time of the rounds, one line per name of `runs` (`{name: [history, ...]}`,
+    a run's seeds averaged round by round, `cost_series`): what an accuracy costs to reach.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    fig = _new_figure(1, 2, width=MAX_WIDTH_IN / 2, height=3.2)
+    axes = fig.subplots(1, 2, squeeze=False).ravel()
+    series_of = {name: cost_series(histories, key) for name, histories in runs.items()}
+    for i, (ax, xlabel) in enumerate(
+        zip(axes, ("communication, MB (up + down, cumulative)", "wall time of rounds, s"))
+    ):
+        if not _lines(ax, {name: pair[i] for name, pair in series_of.items()}):
+            _no_data(ax, key)
+        ax.xaxis.set_major_locator(AutoLocator())  # megabytes and seconds are not whole rounds
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(_ylabel(key))
+        ax.set_title(f"{key} vs {'communication' if i == 0 else 'time'}", fontsize="medium")
+    if title:
+        fig.suptitle(title)
     return _save(fig, path)
 
 

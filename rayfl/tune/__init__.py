@@ -10,13 +10,17 @@ A sweep file::
 
     sweep: pfedes_T_alpha                  # name: Tune experiment, MLflow parent run
     base: experiments/pfedes_fmnist.yaml   # relative to the sweep file, the cwd or the repository
-    overrides: [engine.rounds=3]           # applied to the base experiment
+    overrides: [engine.rounds=3, data.val_fraction=0.1]  # applied to the base experiment
     space:                                 # dotted config key -> one distribution
       algorithm.T: {grid: [2.0, 4.0]}      # every value (a grid multiplies the trials)
       algorithm.alpha: {loguniform: [0.01, 1.0]}
       algorithm.embed_dim: {choice: [64, 128]}
       #   also {uniform: [lo, hi]} and {randint: [lo, hi]} (both ends included)
-    tune: {metric: personal/acc, mode: max, num_samples: 1, scheduler: null, max_concurrent: 2}
+    tune: {metric: personal/val_acc, mode: max, num_samples: 1, scheduler: null, max_concurrent: 2}
+
+Trials are ranked on validation data: `tune.metric` defaults to `personal/val_acc`, which needs
+`data.val_fraction` > 0 (refused in one line otherwise); a test metric named explicitly ranks on
+test data, with a warning. The results table reports each trial's test `personal/acc` beside it.
 
 Command-line overrides: `tune.<key>=...` sets the `tune:` section, `space.<dotted key>={grid: [..]}`
 adds or replaces one space entry, and every other `key=value` goes to the base experiment after the

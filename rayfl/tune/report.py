@@ -15,7 +15,7 @@ from rayfl.config import (
 )
 from rayfl.safefile import write_atomic
 from rayfl.tables import write_table
-from rayfl.tune.sweep import Sweep, _native
+from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,15 @@ class SweepResult:
     wall_s: float = 0.0
 
 
-def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
-    """One row per trial: trial, swept values, metric (last reported), rounds, status, error."""
+def reported(sweep: Sweep) -> list[str]:
+    """The metrics of a trial's row: the ranking metric and, when it is measured on validation
+    data, the test accuracy of the same round (reported, never ranked on)."""
     metric = sweep.tune.metric
+    return [metric, TEST_METRIC] if is_validation_metric(metric) else [metric]
+
+
+def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
+    """One row per trial: trial, swept values, metrics (last reported), rounds, status, error."""
     rounds = sweep.config.engine.rounds
     rows = []
     for result in grid:
@@ -48,8 +54,9 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"trial": name}
         for key in sweep.space:
             row[key] = _native(result.config.get(key)) if result.config else None
-        value = metrics.get(metric)
-        row[metric] = float(value) if value is not None else None
+        for metric in reported(sweep):
+            value = metrics.get(metric)
+            row[metric] = float(value) if value is not None else None
         row["rounds"] = int(metrics.get("round", 0))
         wanted = int(result.config.get("engine.rounds", rounds)) if result.config else rounds
         if result.error is not None:
@@ -68,6 +75,8 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
 
 
 def _best(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    """The row with the best `metric` (the ranking metric only: no other column of a row can
+    change which trial wins)."""
     scored = [
         r
         for r in rows
@@ -113,8 +122,9 @@ def format_results(result: SweepResult) -> str:
     """The printed report: a table of trials, the best trial, where the outputs are."""
     sweep, rows = result.sweep, result.rows
     metric = sweep.tune.metric
-    cols = ["trial", *sweep.space, metric, "rounds", "status"]
-    cells = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
+    cols = ["trial", *sweep.space, *reported(sweep), "rounds", "status"]
+    names = [f"{c} (test)" if c == TEST_METRIC and c != metric else c for c in cols]
+    cells = [names] + [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "stopped", "error")}
     lines = [
@@ -127,8 +137,13 @@ def format_results(result: SweepResult) -> str:
             lines.append(f"  {r['trial']} failed: {r['error']}")
     if result.best is not None:
         chosen = ", ".join(f"{k}={_fmt(result.best[k])}" for k in sweep.space)
+        test = ""
+        if metric != TEST_METRIC and result.best.get(TEST_METRIC) is not None:
+            test = f"; its test {TEST_METRIC}={result.best[TEST_METRIC]:.4f}"
+        where = "validation" if is_validation_metric(metric) else "TEST data"
         lines.append(
-            f"best: {result.best['trial']} {metric}={result.best[metric]:.4f} with {chosen}"
+            f"best: {result.best['trial']} {metric}={result.best[metric]:.4f} with {chosen} "
+            f"(chosen on {where}{test})"
         )
         lines.append(
             f"best config: {result.best_config_path}  (rayfl run {result.best_config_path})"

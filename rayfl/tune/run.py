@@ -20,6 +20,7 @@ from rayfl.tune.report import (
     _collect,
     _plot,
     format_results,
+    reported,
     write_best_config,
     write_results,
 )
@@ -265,9 +266,9 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         artifacts.append(_plot(result))
         if parent is not None:
             parent.log_artifacts(artifacts)
-            parent.log_metrics(
-                {f"best/{t.metric}": result.best[t.metric], "trials": len(result.rows)}
-            )
+            best = {f"best/{k}": result.best[k] for k in reported(sweep)}
+            best = {k: v for k, v in best.items() if v is not None}
+            parent.log_metrics({**best, "trials": len(result.rows)})
         status = "FINISHED"
         return result
     except KeyboardInterrupt:

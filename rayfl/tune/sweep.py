@@ -8,7 +8,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
+VAL_METRIC = "personal/val_acc"  # what trials are ranked on unless tune.metric names another
+TEST_METRIC = "personal/acc"  # reported beside it for the chosen trial, never ranked on
 SWEEP_KEYS = ("sweep", "base", "description", "overrides", "space", "tune")
 
 
@@ -37,9 +39,9 @@ SWEEP_KEYS = ("sweep", "base", "description", "overrides", "space", "tune")
 class TuneSettings:
     """The `tune:` section of a sweep file."""
 
-    metric: str = (
-        "personal/acc"  # a per-round metric of the simulation (its last value ranks trials)
-    )
+    # the per-round metric whose last value ranks trials; empty: personal/val_acc, on the
+    # clients' validation splits (data.val_fraction); a test metric ranks on test data (warned)
+    metric: str = ""
     mode: Literal["max", "min"] = "max"
     num_samples: int = 1  # repeats of the grid; each repeat draws the random distributions anew
     scheduler: Literal["asha"] | None = None  # asha: stop poor trials early, by round
@@ -271,11 +273,39 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
     from rayfl.checks import check_family
 
     check_family(config)
-    return sweep
+    return replace(sweep, tune=replace(settings, metric=ranking_metric(settings.metric, config)))
+
+
+def is_validation_metric(metric: str) -> bool:
+    """Whether `metric` is measured on validation data (`personal/val_acc`, `global/val_loss`)."""
+    return metric.rsplit("/", 1)[-1].startswith("val_")
+
+
+def ranking_metric(metric: str, config: RunConfig) -> str:
+    """The metric trials are ranked on: validation accuracy by default. Without a validation
+    split (`data.val_fraction` 0) a default or validation metric is refused in one line; a test
+    metric named explicitly is allowed, with a warning: a winner chosen on test data has an
+    optimistic test score."""
+    has_val = config.data.val_fraction > 0
+    if not metric or is_validation_metric(metric):
+        require(
+            has_val,
+            "tune.metric",
+            f"trials are ranked on validation data ({metric or VAL_METRIC}) but "
+            "data.val_fraction is 0: set data.val_fraction (e.g. 0.1), or name a test metric "
+            "(tune.metric=personal/acc) to rank on test data",
+        )
+        return metric or VAL_METRIC
+    log.warning(
+        "tune.metric=%s ranks trials on test data: the winner's test score is optimistically "
+        "biased; set data.val_fraction and rank on %s instead",
+        metric,
+        VAL_METRIC,
+    )
+    return metric
 
 
 def _check_settings(t: TuneSettings) -> None:
-    require(bool(t.metric), "tune.metric", "name the metric that ranks trials (e.g. personal/acc)")
     require(t.num_samples >= 1, "tune.num_samples", f"must be at least 1 (got {t.num_samples})")
     require(
         t.max_concurrent >= 1, "tune.max_concurrent", f"must be at least 1 (got {t.max_concurrent})"

@@ -175,3 +175,29 @@ def test_plot_label_distribution_of_many_clients_is_an_image(dataset, tmp_path, 
     fed = build(dataset)
     path = plot_label_distribution(fed, tmp_path / "labels.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_val_split_is_carved_stratified_from_train_and_leaves_the_rest(dataset, tmp_path):
+    plain = build(dataset)
+    fed = build(dataset, val_fraction=0.25)
+    y = dataset.y_train
+    assert fed.has_val and not plain.has_val
+    for before, after in zip(plain.clients, fed.clients):
+        # the test split is the one without validation; train + val is the old train split
+        assert np.array_equal(after.test, before.test)
+        assert np.array_equal(np.sort(np.concatenate([after.train, after.val])), before.train)
+        assert not np.intersect1d(after.train, after.val).size
+        # stratified: per class, a quarter of the old training samples (largest remainder)
+        old = np.bincount(y[before.train], minlength=5)
+        val = np.bincount(y[after.val], minlength=5)
+        assert np.all(np.abs(val - old * 0.25) < 1) and len(after.val) == round(
+            0.25 * len(before.train)
+        )
+    again = build(dataset, val_fraction=0.25)
+    assert all(np.array_equal(a.val, b.val) for a, b in zip(fed.clients, again.clients))
+    assert fed.class_counts("val").sum() == sum(len(c.val) for c in fed.clients)
+    save_partition(fed, tmp_path)
+    loaded = load_partition(tmp_path)
+    assert all(np.array_equal(loaded["clients"][i].val, c.val) for i, c in enumerate(fed.clients))
+    with pytest.raises(ConfigError, match="data.val_fraction"):
+        build(dataset, val_fraction=1.0)

@@ -183,3 +183,26 @@ def test_log_sampled_parameters_get_a_log_axis_whatever_their_span(tmp_path, dra
     logged, plain = drawn
     assert [ax.get_xscale() for ax in logged.axes] == ["log", "linear", "log"]  # 2 a row
     assert [ax.get_xscale() for ax in plain.axes] == ["linear"]  # under two decades: linear
+
+
+def test_cost_series_averages_seeds_per_round_against_cumulative_cost(tmp_path) -> None:
+    def run(acc: list[float], mb: float, s: float) -> list[dict[str, float]]:
+        return [
+            {
+                "round": r,
+                "personal/acc": a,
+                "comm/bytes_up_total": r * mb * 1e6 / 2,
+                "comm/bytes_down_total": r * mb * 1e6 / 2,
+                "time/round_s": s,
+            }
+            for r, a in enumerate(acc, 1)
+        ]
+
+    by_mb, by_s = plots.cost_series([run([0.2, 0.4], 1.0, 2.0), run([0.4, 0.6], 3.0, 4.0)])
+    flat = [[v for point in points for v in point] for points in (by_mb, by_s)]
+    # mean MB (1 and 3, then 2 and 6) and mean accuracy; rounds' seconds summed per run, then meaned
+    assert flat[0] == pytest.approx([2.0, 0.3, 4.0, 0.5])
+    assert flat[1] == pytest.approx([3.0, 0.3, 6.0, 0.5])
+    svg = plots.plot_cost_curves({"a": [run([0.2, 0.4], 1.0, 2.0)]}, tmp_path / "c.svg")
+    text = svg.read_text()
+    assert text.count('id="axes_') == 2 and "communication" in text and "wall time" in text
