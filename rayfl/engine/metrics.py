@@ -104,9 +104,9 @@ CLIENT_COLUMNS = (
 
 def per_client_rows(fed: Federation, rnd: int, scored: list[ClientMetrics]) -> list[dict[str, Any]]:
     """One row per scored client of round `rnd` (`CLIENT_COLUMNS`, in client order): the per-client
-    table a paper's per-client results and spreads come from. `domain` is the client's domain or
-    group where the federation names one (a `domains` sequence, one per client), else None."""
-    domains = getattr(fed, "domains", None)
+    table a paper's per-client results and spreads come from. `domain` is the client's domain
+    where the federation has domains (`Federation.client_domain`), else None."""
+    domains = fed.client_domain
     out = []
     for r in sorted(scored, key=lambda r: r["client"]):
         cid = int(r["client"])

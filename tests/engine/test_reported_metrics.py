@@ -85,3 +85,11 @@ def test_run_directory_holds_the_per_client_table(tmp_path, synthetic_raw) -> No
 
     table = final_table(Shown(), 1.0)
     assert "at best validation round" in table and "not reached" in table
+
+
+def test_the_per_client_table_names_each_clients_domain(tmp_path, synthetic_raw) -> None:
+    raw = copy.deepcopy(synthetic_raw)
+    raw["data"]["domains"] = {"transforms": ["identity", "rotate:90"]}
+    rayfl.run(raw, out=tmp_path / "run")
+    rows = pq.read_table(tmp_path / "run" / "clients.parquet").to_pylist()
+    assert {r["domain"] for r in rows} == {"identity", "rotate:90"}
