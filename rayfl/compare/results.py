@@ -171,6 +171,7 @@ def protocol_line(suite: Suite) -> str:
 
 
 GAIN = "baseline/gain_points"
+FEDERATED_GAIN = "baseline/federated_gain_points"  # over the no-federation control
 
 
 def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -178,7 +179,9 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
     report: personalized accuracy, gain over local (when measured), server-side models'
     accuracy, communication, wall time, runs."""
     gain = any(mean_col(GAIN) in r for r in results)
+    fed = any(mean_col(FEDERATED_GAIN) in r for r in results)
     header = ["algorithm", "personal acc", *(["gain over local (pts)"] if gain else [])]
+    header += ["federated gain (pts)"] if fed else []
     header += ["server model acc", "MB/round up+down", "wall s/run", "runs"]
     body = []
     for agg in results:
@@ -190,6 +193,7 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
                 agg["label"],
                 _pm(agg, PERSONAL),
                 *([_pm(agg, GAIN, "{:+.2f}")] if gain else []),
+                *([_pm(agg, FEDERATED_GAIN, "{:+.2f}")] if fed else []),
                 server,
                 _pm(agg, "comm/mb_per_round", "{:.3f}"),
                 _pm(agg, "time/wall_s", "{:.1f}"),
