@@ -371,11 +371,11 @@ def subset_section(meta: Mapping[str, Any]) -> list[str]:
 def page() -> str:
     """docs/results.md as the files in docs/results/ give it."""
     out = [INTRO]
+    privacy = RESULTS / "privacy" / "section.md"
+    if privacy.is_file():  # headed by the introduction
+        out += [privacy.read_text().rstrip("\n"), ""]
     if HEADLINE.is_file():
         out += headline_section(json.loads(HEADLINE.read_text()))
-    privacy = RESULTS / "privacy" / "section.md"
-    if privacy.is_file():
-        out += [privacy.read_text().rstrip("\n"), ""]
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
