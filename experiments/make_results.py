@@ -14,6 +14,13 @@ Sources, each a small file in docs/results/:
       # --into an existing file keeps its description (suite_file, command, commit, ...) and
       # updates the runs; a new one needs them as --set KEY=VALUE
 
+- `headline.json`: the README's main job (`experiments/pfedes_fmnist.yaml`) over seeds, each
+  seed's final metrics read from its run directory, with the command and commit:
+
+      python3 experiments/make_results.py --headline runs/main_s0 runs/main_s1 runs/main_s2 \
+          --set "command=rayfl run experiments/pfedes_fmnist.yaml seed=S --out runs/main_sS" \
+          --set "commit=$(git rev-parse --short HEAD)"
+
 - `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies;
 - `subsets.json` and the `*.runs.csv` it names: earlier runs of the shipped suites on small
   subsets of the data, kept and labelled as such.
@@ -132,6 +139,70 @@ def collect(out_dir: Path, into: Path, description: Mapping[str, Any]) -> dict[s
             }
         )
     return {**old, **description, "suite": suite.name, "runs": runs}
+
+
+HEADLINE = RESULTS / "headline.json"
+HEADLINE_KEYS = (
+    "personal/acc",
+    "baseline/local_acc",
+    "baseline/control_acc",
+    "baseline/gain_points",
+    "baseline/federated_gain_points",
+    "proxy/acc",
+)
+
+
+def collect_headline(run_dirs: Sequence[Path], description: Mapping[str, Any]) -> dict[str, Any]:
+    """The main job's finished seeds: each run directory's seed, rounds and final metrics."""
+    old = json.loads(HEADLINE.read_text()) if HEADLINE.is_file() else {}
+    runs = {r["seed"]: r for r in old.get("runs", [])}
+    for run_dir in run_dirs:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        final = summary.get("final", {})
+        runs[int(summary["seed"])] = {
+            "seed": int(summary["seed"]),
+            "status": summary.get("status"),
+            "rounds": summary.get("rounds"),
+            "metrics": {k: final[k] for k in HEADLINE_KEYS if final.get(k) is not None},
+        }
+    return {**old, **description, "runs": [runs[k] for k in sorted(runs)]}
+
+
+def headline_section(data: Mapping[str, Any]) -> list[str]:
+    """The README's headline: the main job's gain over local training and over its
+    no-federation control, per seed and as mean ± sample std."""
+    runs = data.get("runs", [])
+    out = [f"## {data.get('title', 'The main job')}", ""]
+    if data.get("note"):
+        out += [data["note"], ""]
+    out += [
+        f"Command (one per seed): `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.",
+        "",
+    ]
+
+    def cell(run: Mapping[str, Any], key: str) -> str:
+        v = run["metrics"].get(key)
+        if v is None:
+            return "–"
+        return f"{v:+.2f}" if "points" in key else f"{100 * v:.1f}"
+
+    header = ["seed", "status", "personal acc", "local", "control", "gain over local (pts)"]
+    header += ["federated gain (pts)", "proxy acc"]
+    body = [
+        [str(r["seed"]), str(r.get("status")), *(cell(r, k) for k in HEADLINE_KEYS[:3])]
+        + [cell(r, k) for k in HEADLINE_KEYS[3:]]
+        for r in runs
+    ]
+
+    def over(key: str) -> list[float]:
+        return [r["metrics"][key] / 100 for r in runs if r["metrics"].get(key) is not None]
+
+    body.append(
+        ["mean ± std", f"{len(runs)} seeds", "", "", ""]
+        + [pm(over("baseline/gain_points"), signed=True)]
+        + [pm(over("baseline/federated_gain_points"), signed=True), ""]
+    )
+    return out + md_table(header, body)
 
 
 # -- sections ----------------------------------------------------------------------------------
@@ -301,8 +372,10 @@ def page() -> str:
     """docs/results.md as the files in docs/results/ give it."""
     out = [INTRO]
     privacy = RESULTS / "privacy" / "section.md"
-    if privacy.is_file():
+    if privacy.is_file():  # headed by the introduction
         out += [privacy.read_text().rstrip("\n"), ""]
+    if HEADLINE.is_file():
+        out += headline_section(json.loads(HEADLINE.read_text()))
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
@@ -329,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--collect", type=Path, help="a running or finished suite's --out folder")
     ap.add_argument("--into", type=Path, help="with --collect: the docs/results/full/*.json")
     ap.add_argument(
+        "--headline", type=Path, nargs="+", help="the main job's run directories (one per seed)"
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -336,6 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --collect: a description field (title, command, commit, ...)",
     )
     args = ap.parse_args(argv)
+    if args.headline:
+        fields = dict(s.split("=", 1) for s in args.set)
+        data = collect_headline(args.headline, fields)
+        HEADLINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return 0
     if args.collect:
         if args.into is None:
             ap.error("--collect needs --into")

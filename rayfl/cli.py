@@ -38,6 +38,10 @@ def final_table(result: Any, wall_s: float) -> str:
     if "baseline/local_acc" in final:
         rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
         rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
+    if "baseline/control_acc" in final:
+        rows.append(("no-federation control acc", f"{final['baseline/control_acc']:.4f}"))
+        gain = final["baseline/federated_gain_points"]
+        rows.append(("federated gain over control (points)", f"{gain:+.2f}"))
     for key in (
         "proxy/acc",
         "global/acc",
@@ -46,7 +50,9 @@ def final_table(result: Any, wall_s: float) -> str:
         "privacy/epsilon",
     ):
         if key in final:
-            rows.append((key, f"{final[key]:.4f}"))
+            chance = final.get("proxy/chance") if key == "proxy/acc" else None
+            note = "" if chance is None else f"  (chance {chance:.4f})"
+            rows.append((key, f"{final[key]:.4f}{note}"))
     rounds = max(1, len(result.history))
     rows.append(
         (
@@ -72,7 +78,10 @@ def final_table(result: Any, wall_s: float) -> str:
         f"{cfg.name}: {cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
         f"seed {cfg.seed}, status {result.status}"
     )
-    return format_table(rows, title)
+    from rayfl.engine.callbacks import proxy_health
+
+    warning = proxy_health(cfg, result.history)
+    return format_table(rows, title) + (f"\n  {warning}" if warning else "")
 
 
 def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
@@ -309,6 +318,10 @@ def validate_file(
             f"{len(set(archs))} architectures"
         )
     check_placement(configs, cluster, notes)
+    for cfg in configs:  # valid settings an algorithm knows to be pointless (`Params.notes`)
+        for note in getattr(cfg.algorithm.params, "notes", list)():
+            if notes is not None and note not in notes:
+                notes.append(note)
     return describe
 
 

@@ -259,6 +259,15 @@ class EvalConfig:
     # and batches as `algorithm.name=local`) and report `baseline/local_acc` and
     # `baseline/gain_points` (personal/acc minus it, in points) in the same run.
     local_baseline: bool = False
+    # Also run the algorithm's own client cut off from the federation (the no-federation
+    # control): same initial weights, seeds and batches, but every round it receives the server's
+    # first, untrained broadcast and its upload goes nowhere; report `baseline/control_acc` and
+    # `baseline/federated_gain_points` (personal/acc minus it, in points): what the federation
+    # itself brought, with the algorithm's local regularizers credited to themselves.
+    federation_control: bool = False
+    # Warn (progress line, log, final table) when a server-scored proxy (`proxy/acc`) is still
+    # within 5 points of chance (`proxy/chance`) after this many rounds; 0: never.
+    proxy_health_rounds: int = 3
     # accuracy targets: `rounds_to/acc_<t>`, `bytes_to/acc_<t>` and `seconds_to/acc_<t>` are the
     # round, cumulative bytes (up + down) and wall seconds at which personal/acc first reaches t
     targets: tuple[float, ...] = ()

@@ -183,6 +183,11 @@ def _final_rows(
         gain = final.get("baseline/gain_points") or 0.0
         rows.append(["gain over local training (points)", f"{gain:+.2f}"])
         classes.append("")
+    if "baseline/control_acc" in final:
+        add("no-federation control (baseline/control_acc)", "baseline/control_acc")
+        gain = final.get("baseline/federated_gain_points") or 0.0
+        rows.append(["federated gain over the control (points)", f"{gain:+.2f}"])
+        classes.append("")
     for key in ("personal/acc_mean", "personal/acc_std", "personal/acc_worst10"):
         add(key, key)
     for key in sorted(k for k in final if k.endswith("/acc") and k.count("/") == 1):

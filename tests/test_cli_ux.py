@@ -102,13 +102,18 @@ def test_the_main_job_prints_its_gain_over_local(tmp_path, capsys):
     readme = Path("README.md").read_text()
     assert "rayfl run experiments/pfedes_fmnist.yaml\n" in readme.split("```")[1]
     main_job = load_config("experiments/pfedes_fmnist.yaml")
-    assert main_job.eval.local_baseline and main_job.algorithm.params.beta > 0
+    assert main_job.eval.local_baseline and not main_job.algorithm.params.notes()
+    assert main_job.eval.federation_control
     # the same settings on synthetic data, through the CLI
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(SYNTHETIC))
     argv = ["run", str(exp), "eval.local_baseline=true", "algorithm.beta=0.5"]
+    argv.append("eval.federation_control=true")
     assert main([*argv, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     line = next(li for li in out.splitlines() if "gain over local (points)" in li)
     assert line.split()[-1].startswith(("+", "-"))
     assert "local-only acc, same partition" in out
+    line = next(li for li in out.splitlines() if "federated gain over control (points)" in li)
+    assert line.split()[-1].startswith(("+", "-"))
+    assert "no-federation control acc" in out and "(chance 0.1000)" in out

@@ -7,8 +7,10 @@ the `VARIANTS` table (a new variant is one `register_variant` call):
   small global proxy CNN by distilling the local model's detached logits into it
   (`ce + alpha * T^2 KL(proxy || local.detach())`). Optional return path `beta`: the local model also
   distils from the frozen proxy received this round (a fixed teacher, so the two do not chase).
-  `proxy_lr` gives the proxy its own learning rate; then alpha weights the reported loss only
-  and the proxy steps by `proxy_lr` times the gradient of its unweighted KD loss.
+  Deviation: the proxy steps by `proxy_lr` (default train.lr) times the gradient of its
+  unweighted KD loss; alpha weights the reported loss. Under the document's single objective
+  and learning rate (`alpha_scales_proxy: true`) alpha, touching no other gradient, only shrinks
+  the proxy's step, and with the document's alpha 0.1 the shared proxy stays at chance.
 - `input` (the official code): a tiny image-to-image proxy G before the local model F. Stage 1
   trains F on `(1-mu) CE(F(x)) + mu CE(F(G(x)))` with G frozen; stage 2 trains G on `CE(F(G(x)))`
   with F frozen for `proxy_epochs` (official: local_epochs + 10). Inference uses F alone.
@@ -73,12 +75,18 @@ from rayfl.registry import ALGORITHMS
 class PFedESParams:
     variant: str = "kd"  # kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS
     T: float = 4.0  # distillation temperature (kd)
-    alpha: float = 0.1  # weight of the proxy's KD loss (kd)
+    # kd: weight of the proxy's KD loss in the objective; the local logits are detached, so it
+    # scales the proxy's gradient only with alpha_scales_proxy, and the reported loss otherwise
+    alpha: float = 0.1
+    # kd: true is the design document's single objective `ce + alpha * kd` under one learning
+    # rate, where the proxy steps by alpha * train.lr (10x slower at alpha 0.1: it stays at
+    # chance, docs/algorithms.md); false: the proxy steps by proxy_lr on its unweighted KD loss
+    alpha_scales_proxy: bool = False
     beta: float = (
         0.0  # return path: local model distils from the received proxy (0 = the literal method)
     )
     embed_dim: int = 128  # proxy embedding size (kd)
-    # kd: the proxy's own learning rate (null: train.lr, and alpha scales its gradient)
+    # kd: the proxy's own learning rate (null: train.lr)
     proxy_lr: float | None = None
     mu: float = 0.5  # stage-1 weight of the proxied path (input)
     proxy_epochs: int | None = (
@@ -105,6 +113,11 @@ class PFedESParams:
         require(self.alpha >= 0, "algorithm.alpha", f"must be >= 0 (got {self.alpha})")
         require(self.beta >= 0, "algorithm.beta", f"must be >= 0 (got {self.beta})")
         require(self.embed_dim >= 1, "algorithm.embed_dim", "must be at least 1")
+        require(
+            not (self.alpha_scales_proxy and self.proxy_lr is not None),
+            "algorithm.proxy_lr",
+            "alpha_scales_proxy steps the proxy by alpha * train.lr; drop one of the two",
+        )
         require(
             self.proxy_lr is None or self.proxy_lr > 0,
             "algorithm.proxy_lr",
@@ -146,6 +159,16 @@ class PFedESParams:
                 f"algorithm.{key}",
                 "reproduces the official code's variant; set algorithm.variant=input or drop it",
             )
+
+    def notes(self) -> list[str]:
+        """Valid settings that make the run pointless (`rayfl validate` prints them)."""
+        if self.variant == "kd" and self.beta == 0:
+            return [
+                "algorithm.beta=0 with variant kd (the design document's literal loss): no local "
+                "model reads the proxy, so personal accuracy equals algorithm.name=local; set "
+                "algorithm.beta > 0 or algorithm.variant=input"
+            ]
+        return []
 
 
 @dataclass(frozen=True)
@@ -240,6 +263,9 @@ class PFedESKDClient(PFedESClient):
     def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
         super().__init__(ctx, params)
         self.teacher: nn.Module | None = None
+        # the proxy's KD loss summed over this round's samples, and their count
+        self._kd_sum: torch.Tensor | float = 0.0
+        self._kd_count = 0
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         super().receive(payload, rnd)
@@ -247,7 +273,14 @@ class PFedESKDClient(PFedESClient):
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         lrs = None if self.params.proxy_lr is None else [None, self.params.proxy_lr]
-        return trainer.run(self.training_step, [self.model, self.proxy], module_lrs=lrs)
+        self._kd_sum, self._kd_count = 0.0, 0
+        out = trainer.run(self.training_step, [self.model, self.proxy], module_lrs=lrs)
+        # the proxy's own (unweighted) KD loss over the round: the design document's first check
+        # when the proxy does not learn is whether this falls
+        out["pfedes/kd_loss"] = (
+            float(self._kd_sum) / self._kd_count if self._kd_count else float("nan")
+        )
+        return out
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -255,9 +288,11 @@ class PFedESKDClient(PFedESClient):
         proxy_logits, _ = self.proxy(x)
         # detach: CE trains only the local model, KD only the proxy; otherwise they chase each other.
         kd = fn.kd_loss(proxy_logits, local_logits.detach(), p.T)
-        # With proxy_lr: value alpha * kd (the reported objective) but the gradient of kd, so the
-        # proxy's step is set by proxy_lr alone, not by alpha.
-        proxy_term = p.alpha * kd if p.proxy_lr is None else kd + (p.alpha - 1.0) * kd.detach()
+        self._kd_sum = self._kd_sum + kd.detach() * len(y)  # a tensor: no sync per batch
+        self._kd_count += len(y)
+        # Value alpha * kd (the reported objective) but, unless alpha_scales_proxy, the gradient
+        # of kd: the proxy's step is set by its learning rate alone, not shrunk by alpha.
+        proxy_term = p.alpha * kd if p.alpha_scales_proxy else kd + (p.alpha - 1.0) * kd.detach()
         loss = F.cross_entropy(local_logits, y) + proxy_term
         if self.teacher is not None:
             self.teacher.eval()
@@ -424,7 +459,8 @@ class PFedESServer(Server[PFedESParams]):
         load_numpy(self.proxy, aggregated)
         if p.shared_optimizer:
             self.momentum = fn.weighted_average([m for _, m, _ in parts], weights)
-        return {}
+        # a uniform guess's accuracy, beside `proxy/acc`: the proxy's health check compares them
+        return {"proxy/chance": 1.0 / self.ctx.num_classes} if self.eval_models() else {}
 
     def eval_models(self) -> dict[str, nn.Module]:
         # The `input` proxy is an image-to-image map: it has no accuracy of its own.

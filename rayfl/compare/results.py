@@ -174,6 +174,7 @@ def protocol_line(suite: Suite) -> str:
 
 
 GAIN = "baseline/gain_points"
+FEDERATED_GAIN = "baseline/federated_gain_points"  # over the no-federation control
 
 
 def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -186,6 +187,8 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
     header = ["algorithm", "personal acc (last round)"]
     header += ["personal acc (best-val round)"] if val else []
     header += ["gain over local (pts)"] if gain else []
+    fed = any(mean_col(FEDERATED_GAIN) in r for r in results)
+    header += ["federated gain (pts)"] if fed else []
     header += ["server model acc", "MB/round up+down", "wall s/run", "runs"]
     body = []
     for agg in results:
@@ -198,6 +201,7 @@ def table_rows(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
                 _pm(agg, PERSONAL),
                 *([_pm(agg, AT_BEST_VAL)] if val else []),
                 *([_pm(agg, GAIN, "{:+.2f}")] if gain else []),
+                *([_pm(agg, FEDERATED_GAIN, "{:+.2f}")] if fed else []),
                 server,
                 _pm(agg, "comm/mb_per_round", "{:.3f}"),
                 _pm(agg, "time/wall_s", "{:.1f}"),

@@ -62,6 +62,30 @@ class Callback:
         down meanwhile, in another thread: read what the simulation holds, not its executor."""
 
 
+HEALTH_MARGIN = 0.05  # a proxy within this much accuracy of chance has not learned
+
+
+def proxy_health(cfg: RunConfig, history: Sequence[dict[str, float]]) -> str:
+    """One warning line when the shared proxy's server accuracy (`proxy/acc`) is still within
+    `HEALTH_MARGIN` of chance (`proxy/chance`) after `eval.proxy_health_rounds` rounds ('' when
+    it has risen, is not scored, or the check is off). The pFedES design document calls this
+    accuracy the health barometer of knowledge transfer; the line names its troubleshooting order."""
+    after = cfg.eval.proxy_health_rounds
+    scored = [r for r in history if r.get("proxy/acc") == r.get("proxy/acc") and "proxy/acc" in r]
+    if not after or not scored or len(history) < after:
+        return ""
+    last = scored[-1]
+    chance = last.get("proxy/chance")
+    if chance is None or max(r["proxy/acc"] for r in scored) >= chance + HEALTH_MARGIN:
+        return ""
+    return (
+        f"warning: proxy/acc {last['proxy/acc']:.4f} has not risen above chance ({chance:.2f}) "
+        f"after {len(history)} rounds: the federation's knowledge is not reaching the proxy; "
+        "check, in the design document's order, that train/pfedes/kd_loss falls, then T (3-5), "
+        "then alpha / proxy_lr, then the EMA (docs/algorithms.md, pFedES)"
+    )
+
+
 class ProgressBar(Callback):
     """Progress over rounds with elapsed time and the current personalized accuracy: one tqdm bar
     on a terminal, or one plain line per round when `stream` is not a terminal or reports zero
@@ -84,6 +108,7 @@ class ProgressBar(Callback):
         self._phase = ""
         self._post: dict[str, str] = {}
         self._drawn = 0.0
+        self._warned = False  # the proxy-health warning is printed once
 
     @staticmethod
     def wants_plain(stream: Any) -> bool:
@@ -139,7 +164,9 @@ class ProgressBar(Callback):
         for key, short in (
             ("personal/acc", "acc"),
             ("baseline/local_acc", "local"),
+            ("baseline/control_acc", "control"),
             ("proxy/acc", "proxy"),
+            ("proxy/chance", "chance"),
             ("global/acc", "global"),
         ):
             if key in metrics and metrics[key] == metrics[key]:  # NaN: not evaluated this round
@@ -149,6 +176,14 @@ class ProgressBar(Callback):
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
         post = self._fields(round_idx, metrics)
+        warning = "" if self._warned else proxy_health(sim.cfg, sim.result.history)
+        if warning:
+            self._warned = True
+            log.warning(warning)
+            if self.bar is not None:
+                self.bar.write(warning, file=self.stream)
+            else:
+                print(warning, file=self.stream, flush=True)
         if self.bar is None:
             del post["round"]
             name = self.desc or sim.cfg.algorithm.name

@@ -276,12 +276,12 @@ class Restored:
 
 def client_templates(spec: RunSpec) -> Callable[[int], Any]:
     """Client id -> the state of a fresh client of its architecture built from ``spec`` (the
-    user's config), with the local-only shadow's part under ``baseline/`` when the run keeps
-    one: what :meth:`Restored.client_states` compares each restored client state with. One model is
+    user's config), with the local-only shadow's part under ``baseline/`` and the no-federation
+    control's under ``control/`` when the run keeps them: what :meth:`Restored.client_states` compares each restored client state with. One model is
     built per architecture, on the CPU."""
     import torch
 
-    from rayfl.engine.worker import BASELINE
+    from rayfl.engine.worker import BASELINE, CONTROL, CONTROL_ACC
     from rayfl.registry import ALGORITHMS
 
     cache: dict[str, Any] = {}
@@ -297,6 +297,10 @@ def client_templates(spec: RunSpec) -> Callable[[int], Any]:
                 local = ALGORITHMS.get("local")
                 shadow = local.client(ctx, local.params()).state_dict()
                 state.update({BASELINE + k: v for k, v in shadow.items()})
+            if spec.federation_control:
+                control = spec.algo.client(ctx, spec.params).state_dict()
+                state.update({CONTROL + k: v for k, v in control.items()})
+                state[CONTROL_ACC] = np.array(0.0, dtype=np.float64)
             cache[arch] = state
         return cache[arch]
 

@@ -56,7 +56,18 @@ log = logging.getLogger(__name__)
 # What a client's evaluation row keeps while its deployed model is unchanged: the model's score,
 # not the algorithm's diagnostics against the payload it was scored with (`_evaluate_deployed`).
 SCORE_KEYS = frozenset(
-    {"client", "arch", "acc", "loss", "num_test", "val_acc", "val_loss", "num_val", "baseline_acc"}
+    {
+        "client",
+        "arch",
+        "acc",
+        "loss",
+        "num_test",
+        "val_acc",
+        "val_loss",
+        "num_val",
+        "baseline_acc",
+        "control_acc",
+    }
 )
 
 
@@ -124,6 +135,7 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         engine=e,
         per_round=clients_per_round(cfg),
         local_baseline=cfg.eval.local_baseline,
+        federation_control=cfg.eval.federation_control,
         privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
 
@@ -173,6 +185,8 @@ def summarize_clients(
             out.update(_domain_summary(scored, client_domain))
         if all("baseline_acc" in r for r in scored):
             out.update(_baseline_summary(scored, out["personal/acc"]))
+        if all("control_acc" in r for r in scored):
+            out.update(_baseline_summary(scored, out["personal/acc"], "control_acc"))
         skip = set(SCORE_KEYS) | {"num_train"}
         skip |= {"train_s", "bytes_up"}
         extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
@@ -203,16 +217,24 @@ def _domain_summary(scored: list[ClientMetrics], client_domain: Sequence[str]) -
     return out
 
 
-def _baseline_summary(scored: list[ClientMetrics], personal_acc: float) -> dict[str, float]:
-    """The local-only shadows' accuracy, weighted exactly like `personal/acc` (so it equals what
-    `algorithm.name=local` reports), per architecture, and the gain over it in points."""
-    b = np.array([r["baseline_acc"] for r in scored])
+def _baseline_summary(
+    scored: list[ClientMetrics], personal_acc: float, key: str = "baseline_acc"
+) -> dict[str, float]:
+    """A reference's accuracy, weighted exactly like `personal/acc`, per architecture, and the
+    gain over it in points: the local-only shadows' (`baseline_acc`: equals what
+    `algorithm.name=local` reports) or the no-federation controls' (`control_acc`)."""
+    name, gain = (
+        ("local_acc", "gain_points")
+        if key == "baseline_acc"
+        else ("control_acc", "federated_gain_points")
+    )
+    b = np.array([r[key] for r in scored])
     n = np.array([r["num_test"] for r in scored])
-    local = float((b * n).sum() / n.sum())
-    out = {"baseline/local_acc": local, "baseline/gain_points": 100.0 * (personal_acc - local)}
+    ref = float((b * n).sum() / n.sum())
+    out = {f"baseline/{name}": ref, f"baseline/{gain}": 100.0 * (personal_acc - ref)}
     for arch in sorted({r["arch"] for r in scored}):
         mask = np.array([r["arch"] == arch for r in scored])
-        out[f"baseline/local_acc/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
+        out[f"baseline/{name}/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
     return out
 
 

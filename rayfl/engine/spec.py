@@ -43,6 +43,8 @@ class RunSpec:
     local_baseline: bool = (
         False  # also train a local-only shadow of each client (eval.local_baseline)
     )
+    # also run the algorithm's own client cut off from the federation (eval.federation_control)
+    federation_control: bool = False
     privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
 
     def round_context(self, round_idx: int) -> RoundContext:

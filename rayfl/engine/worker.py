@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
@@ -24,6 +25,10 @@ from rayfl.seeding import Purpose, seed_of, words
 
 ClientMetrics = dict[str, Any]
 BASELINE = "baseline/"  # prefix of the local-only shadow's keys in a client's state
+# prefix of the no-federation control's keys in a client's state (eval.federation_control); its
+# accuracy after its last local training is kept there too, under CONTROL_ACC
+CONTROL = "control/"
+CONTROL_ACC = CONTROL + "@acc"
 
 
 class ClientRunner:
@@ -37,6 +42,8 @@ class ClientRunner:
         self._algo = spec.algo
         self._clients: dict[str, Client] = {}
         self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
+        self._controls: dict[str, Client] = {}  # no-federation controls (federation_control)
+        self._initial: dict[str, Payload] | None = None  # the first broadcast, per architecture
         self._public: ArrayBatches | None = None
 
     def _public_batches(self) -> ArrayBatches:
@@ -46,15 +53,18 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(self, arch: str, client_id: int, algorithm: str | None = None) -> Client:
+    def _fresh_client(
+        self, arch: str, client_id: int, algorithm: str | None = None, cache: str = "clients"
+    ) -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
-        # builds it; the new instance then serves as this worker's cache for the architecture.
+        # builds it; the new instance then serves as this worker's cache for the architecture
+        # (`cache`: the run's clients, or the no-federation controls, which are built alike).
         seed_torch(seed_of(words(Purpose.INIT, self.spec.seed, client=client_id)))
         if algorithm is None:
             client = self._algo.client(
                 self.spec.client_context(arch, self.device), self.spec.params
             )
-            self._clients[arch] = client
+            (self._controls if cache == "controls" else self._clients)[arch] = client
         else:
             algo = ALGORITHMS.get(algorithm)
             client = algo.client(self.spec.client_context(arch, self.device), algo.params())
@@ -104,6 +114,8 @@ class ClientRunner:
                     row["baseline_acc"] = evaluate_client(self._shadow_for(cid, state), trainer)[
                         "acc"
                     ]
+                if self.spec.federation_control:
+                    row["control_acc"] = self._control_score(cid, state, trainer)
                 rows.append(row)
             return rows
 
@@ -175,6 +187,8 @@ class ClientRunner:
         new_state = client.state_dict()
         if self.spec.local_baseline:
             row["train_s"] += self._fit_baseline(round_idx, cid, state, new_state, row, evaluate)
+        if self.spec.federation_control:
+            row["train_s"] += self._fit_control(round_idx, cid, state, new_state, row, evaluate)
         return row, Reply(cid, arch, trainer.num_samples, payload, dict(train_metrics)), new_state
 
     def _shadow_for(self, cid: int, state: Payload | None) -> Client:
@@ -209,4 +223,67 @@ class ClientRunner:
         if evaluate:
             row["baseline_acc"] = evaluate_client(shadow, trainer)["acc"]
         new_state.update({BASELINE + k: v for k, v in shadow.state_dict().items()})
+        return seconds
+
+    # -- the no-federation control (eval.federation_control) ------------------------------------
+    def _initial_payload(self, arch: str) -> Payload:
+        """The server's first broadcast for `arch`: a fresh server half built exactly as the
+        run's (`ServerRunner`: same seed), asked once per worker. It never changes, so the
+        control's client receives the federation's untrained starting point every round."""
+        if self._initial is None:
+            seed_torch(seed_of(words(Purpose.SERVER, self.spec.seed)))
+            server = self._algo.server(self.spec.server_context(self.device), self.spec.params)
+            rnd = self.spec.round_context(1)
+            self._initial = {a: server.broadcast(a, rnd) for a in sorted(set(self.spec.archs))}
+        return self._initial[arch]
+
+    def _control_for(self, cid: int, state: Payload | None) -> Client:
+        """The client's no-federation control with its part (`control/`) of the client's state."""
+        arch = self.spec.archs[cid]
+        own = {k[len(CONTROL) :]: v for k, v in (state or {}).items() if k.startswith(CONTROL)}
+        own.pop(CONTROL_ACC[len(CONTROL) :], None)
+        if not own:
+            return self._fresh_client(arch, cid, cache="controls")
+        control = self._controls.get(arch) or self._fresh_client(arch, cid, cache="controls")
+        control.load_state_dict(own)
+        return control
+
+    def _control_score(self, cid: int, state: Payload | None, trainer: LocalTrainer) -> float:
+        """The control's accuracy: the one after its last local training, kept in the state;
+        a client never trained scores what it would deploy given the first broadcast."""
+        if state is not None and CONTROL_ACC in state:
+            return float(state[CONTROL_ACC])
+        control = self._control_for(cid, state)
+        initial = self._initial_payload(self.spec.archs[cid])
+        model = control.deployed_model(initial, self.spec.round_context(1))
+        return float(evaluate_client(control, trainer, model)["acc"])
+
+    def _fit_control(
+        self,
+        round_idx: int,
+        cid: int,
+        state: Payload | None,
+        new_state: Payload,
+        row: ClientMetrics,
+        evaluate: bool,
+    ) -> float:
+        """Run the algorithm's own client cut off from the federation: the same initial weights,
+        seeds and batches, but every round it receives the server's first (untrained) broadcast
+        instead of this round's, and its upload goes nowhere. What the algorithm gains over it
+        is what the federation brought, not what its local regularizers do. Its state travels in
+        the client's own state under `control/`; its accuracy right after training is kept there
+        and reported as `row["control_acc"]`. Returns the seconds it took."""
+        arch = self.spec.archs[cid]
+        initial = self._initial_payload(arch)
+        control = self._control_for(cid, state)
+        trainer = self._trainer(round_idx, cid)
+        start = time.perf_counter()
+        control.receive(initial, self.spec.round_context(round_idx))
+        control.fit(trainer)
+        seconds = time.perf_counter() - start
+        acc = evaluate_client(control, trainer)["acc"]
+        if evaluate:
+            row["control_acc"] = acc
+        new_state.update({CONTROL + k: v for k, v in control.state_dict().items()})
+        new_state[CONTROL_ACC] = np.array(acc, dtype=np.float64)
         return seconds

@@ -1,0 +1,81 @@
+"""eval.federation_control: every algorithm's own client, cut off from the federation (it receives
+the server's first broadcast every round), trained in the same run on the same partition and
+seeds; the federated gain over it is what the federation brought."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rayfl.config import build_config
+from rayfl.engine.loop import Simulation
+from rayfl.errors import ConfigError
+from tests.algorithms.test_contract import FALLBACK_ARCHS, NAMES, contract_raw
+
+CONTROL = "eval.federation_control=true"
+
+
+def final(raw, overrides, tmp_path):
+    return Simulation(build_config(raw, overrides), tmp_path).run().final
+
+
+def contract_final(name, overrides, tmp_path):
+    """The contract config's run (width-sliced algorithms get the contract's fallback family)."""
+    try:
+        return final(contract_raw(name), overrides, tmp_path)
+    except ConfigError:
+        return final(contract_raw(name, FALLBACK_ARCHS), overrides, tmp_path / "fallback")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_algorithm_reports_its_control(name, tmp_path):
+    out = contract_final(name, [CONTROL], tmp_path)
+    control, gain = out["baseline/control_acc"], out["baseline/federated_gain_points"]
+    assert 0.0 <= control <= 1.0 and np.isfinite(gain)
+    assert gain == pytest.approx(100 * (out["personal/acc"] - control))
+
+
+def test_the_control_leaves_the_run_alone_and_credits_beta_to_itself(synthetic_raw, tmp_path):
+    over = ["engine.rounds=2", "algorithm.beta=0.5"]
+    with_control = final(
+        synthetic_raw, [*over, CONTROL, "eval.local_baseline=true"], tmp_path / "a"
+    )
+    plain = final(synthetic_raw, over, tmp_path / "b")
+    assert with_control["personal/acc"] == plain["personal/acc"]
+    assert with_control["proxy/acc"] == plain["proxy/acc"]
+    # the control keeps beta's pull toward the untrained proxy, so it is not local training
+    assert with_control["baseline/control_acc"] != with_control["baseline/local_acc"]
+
+
+def test_with_nothing_received_the_control_is_the_algorithm(synthetic_raw, tmp_path):
+    # beta 0: pFedES's local model never reads the proxy, so the control equals the run itself
+    out = final(synthetic_raw, ["engine.rounds=2", "algorithm.beta=0", CONTROL], tmp_path)
+    assert out["baseline/control_acc"] == out["personal/acc"]
+    assert out["baseline/federated_gain_points"] == 0.0
+
+
+def test_the_control_survives_resume(synthetic_raw, tmp_path):
+    from rayfl.engine.checkpoint import Checkpoint
+
+    over = ["engine.rounds=3", CONTROL, "algorithm.beta=0.5"]
+    full = final(synthetic_raw, over, tmp_path / "full")
+    first = build_config(synthetic_raw, [*over[1:], "engine.rounds=2"])
+    Simulation(first, tmp_path / "r", [Checkpoint(tmp_path / "r", 1)]).run()
+    again = build_config(synthetic_raw, over)
+    sim = Simulation(again, tmp_path / "r", [Checkpoint(tmp_path / "r", 1, resume=True)])
+    resumed = sim.run().final
+    assert resumed["baseline/control_acc"] == full["baseline/control_acc"]
+    assert resumed["personal/acc"] == full["personal/acc"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", NAMES)
+def test_ray_gives_the_serial_control(name, ray_local, tmp_path):
+    serial = contract_final(name, [CONTROL], tmp_path / "s")
+    ray = contract_final(
+        name,
+        [CONTROL, "engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"],
+        tmp_path / "r",
+    )
+    for key in ("personal/acc", "baseline/control_acc", "baseline/federated_gain_points"):
+        assert ray[key] == serial[key], key
