@@ -21,6 +21,12 @@ Sources, each a small file in docs/results/:
           --set "command=rayfl run experiments/pfedes_fmnist.yaml seed=S --out runs/main_sS" \
           --set "commit=$(git rev-parse --short HEAD)"
 
+- `devices_fmnist.json`: the device-tier suite (`experiments/suites/devices_fmnist.yaml`), each
+  run's accuracy against its simulated time and who took part per architecture:
+
+      python3 experiments/make_results.py --devices runs/devices --set "command=..." \
+          --set "commit=$(git rev-parse --short HEAD)"
+
 - `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies;
 - `subsets.json` and the `*.runs.csv` it names: earlier runs of the shipped suites on small
   subsets of the data, kept and labelled as such.
@@ -205,6 +211,90 @@ def headline_section(data: Mapping[str, Any]) -> list[str]:
     return out + md_table(header, body)
 
 
+DEVICES = RESULTS / "devices_fmnist.json"
+DEVICE_KEYS = (
+    "round",
+    "time/virtual_s",
+    "personal/acc",
+    "devices/participants",
+    "devices/stragglers",
+)
+
+
+def collect_devices(out_dir: Path, description: Mapping[str, Any]) -> dict[str, Any]:
+    """The device-tier suite's runs in `out_dir`: per run its rounds' simulated time, accuracy
+    and participants (also per architecture)."""
+    from rayfl.compare import load_suite, run_dir_of
+
+    suite = load_suite(ROOT / "experiments" / "suites" / "devices_fmnist.yaml")
+    runs = []
+    for run in suite.runs:
+        history = read_history(run_dir_of(out_dir, run))
+        if not history:
+            continue
+        keep = [
+            {
+                k: h[k]
+                for k in h
+                if (k in DEVICE_KEYS or "participants/arch=" in k) and h[k] is not None
+            }
+            for h in history
+        ]
+        runs.append({"setting": run.setting, "label": run.label, "seed": run.seed, "rounds": keep})
+    return {**description, "runs": runs}
+
+
+def devices_section(data: Mapping[str, Any]) -> list[str]:
+    """Accuracy against simulated time, with and without the deadline, and who took part."""
+    runs = data.get("runs", [])
+    out = ["## Devices: a deadline on simulated time (experiments/suites/devices_fmnist.yaml)", ""]
+    if data.get("note"):
+        out += [data["note"], ""]
+    out += [f"Command: `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.", ""]
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["setting"], r["label"]), []).append(r)
+    archs = sorted(
+        {k.split("=", 1)[1] for r in runs for h in r["rounds"] for k in h if "arch=" in k}
+    )
+    header = ["setting", "method", "seeds", "final acc", "simulated s", "acc at half time"]
+    header += [f"trained/round {a}" for a in archs]
+    body = []
+    for (setting, label), rs in sorted(groups.items()):
+        last = [r["rounds"][-1] for r in rs]
+        total = [h["time/virtual_s"] for h in last]
+
+        def at_half(r: Mapping[str, Any]) -> float:
+            half = r["rounds"][-1]["time/virtual_s"] / 2
+            done = [h for h in r["rounds"] if h["time/virtual_s"] <= half and "personal/acc" in h]
+            return done[-1]["personal/acc"] if done else float("nan")
+
+        row = [setting, label, str(len(rs)), pm([h["personal/acc"] for h in last])]
+        row += [f"{statistics.fmean(total):.1f}", pm([at_half(r) for r in rs])]
+        for a in archs:
+            per = [h.get(f"devices/participants/arch={a}", 0.0) for r in rs for h in r["rounds"]]
+            row.append(f"{statistics.fmean(per):.1f}")
+        body.append(row)
+    out += md_table(header, body)
+    # accuracy against simulated time, the same time points for both policies
+    out += ["", "Accuracy (%) against cumulative simulated seconds, mean over seeds:", ""]
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for key, rs in sorted(groups.items()):
+        n = min(len(r["rounds"]) for r in rs)
+        points[key] = [
+            (
+                statistics.fmean(r["rounds"][i]["time/virtual_s"] for r in rs),
+                statistics.fmean(r["rounds"][i].get("personal/acc", float("nan")) for r in rs),
+            )
+            for i in range(n)
+        ]
+    body = [
+        [s, m, " ".join(f"{t:.0f}s:{100 * a:.1f}" for t, a in pts)]
+        for (s, m), pts in sorted(points.items())
+    ]
+    return out + md_table(["setting", "method", "simulated s : accuracy, per round"], body)
+
+
 # -- sections ----------------------------------------------------------------------------------
 def eta_line(runs: Sequence[Mapping[str, Any]]) -> str:
     measured: dict[str, list[float]] = {}
@@ -378,6 +468,8 @@ def page() -> str:
         out += headline_section(json.loads(HEADLINE.read_text()))
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
+    if DEVICES.is_file():
+        out += devices_section(json.loads(DEVICES.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
     if fedgh.is_file():
         out += fedgh_section(json.loads(fedgh.read_text()))
@@ -411,7 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="with --collect: a description field (title, command, commit, ...)",
     )
+    ap.add_argument("--devices", type=Path, help="the device-tier suite's --out folder")
     args = ap.parse_args(argv)
+    if args.devices:
+        data = collect_devices(args.devices, dict(s.split("=", 1) for s in args.set))
+        DEVICES.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return 0
     if args.headline:
         fields = dict(s.split("=", 1) for s in args.set)
         data = collect_headline(args.headline, fields)
