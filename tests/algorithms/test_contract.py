@@ -52,6 +52,7 @@ CONTRACT_PARAMS: dict[str, dict[str, Any]] = {
     "heterofl": {"global_arch": "resnet18_w2"},
     "fedfd": {"global_arch": "resnet18_w2", "steps": 2},
     "feddf": {"global_arch": "resnet18_w2", "steps": 2},
+    "fedl2g": {"warm_up_rounds": 1},  # round 2 trains (the default warms up for 50 rounds)
 }
 
 
