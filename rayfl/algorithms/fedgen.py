@@ -121,7 +121,7 @@ def ensemble_logits(
 
 
 def _prefixed(payload: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {k[len(prefix) :]: np.asarray(v) for k, v in payload.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
 
 
 class FedGenClient(ModelClient[FedGenParams]):
