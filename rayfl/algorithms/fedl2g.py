@@ -1,19 +1,22 @@
-"""FedL2G: Zhang et al., "Adaptive Guidance for Local Training in Heterogeneous Federated
-Learning" (arXiv 2410.06490; "FedL2G: learning to guide local training"), as implemented in
-HtFLlib (TsingZ0/HtFLlib `system/flcore/clients/clientl2g_feat.py`, `clientl2g_logit.py`,
+"""FedL2G: Zhang et al., "FedL2G: Learning to Guide Local Training in Heterogeneous Federated
+Learning" (arXiv 2410.06490; also titled "Adaptive Guidance for Local Training in Heterogeneous
+Federated Learning"), as implemented in HtFLlib (TsingZ0/HtFLlib
+`system/flcore/clients/clientl2g_feat.py`, `clientl2g_logit.py`,
 `system/flcore/servers/serverl2g_feat.py`, `serverl2g_logit.py`).
 
 The server holds one guiding vector per class, `g_c`. Clients train their own model with
 
     loss = CE(f(x), y) + MSE(h(x), g[y])
 
-where `h(x)` is the model's features (`guide: feature`, FedL2G-feat) or its logits (`guide:
-logit`, FedL2G-logit). The guide is *learned to help local training*: after training, each
-client takes one look-ahead SGD step of that loss on `study_batches` batches (learning rate
-`train.lr`) and scores the stepped model by CE on `quiz_batches` other batches; the gradient of
-that quiz loss with respect to `g` (through the look-ahead step, second order) travels up. The
-server averages each class's gradient over the clients whose gradient for it is non-zero, clips
-the whole gradient to norm `clip` and takes one SGD step of `server_lr` on the guide.
+where `h(x)` is the model's features (`guide: feature`, FedL2G-f) or its logits (`guide: logit`,
+FedL2G-l). The guide is *learned to help local training*: each client holds a quiz set out of
+its training data. After training, it takes one look-ahead SGD step of that loss on
+`study_batches` batches of its other samples (learning rate `train.lr`) and scores the stepped
+model by CE on the quiz set; the gradient of that quiz loss with respect to `g`, through the
+step, travels up. Only the mixed derivative of the study loss in the model and the guide enters
+it (no Hessian in the model's parameters: the paper's first-order property). The server averages
+each class's gradient over the clients whose gradient for it is non-zero, clips the whole
+gradient to norm `clip` and takes one SGD step of `server_lr` on the guide.
 During the first `warm_up_rounds` rounds clients only compute these gradients: the guide is
 learned on the untrained models before local training starts.
 
@@ -26,9 +29,10 @@ Defaults are HtFLlib's (`system/main.py`: `-slr 0.01 -mdb 1 -mqb 1 -wu 50`; feat
 its FedL2G-feat).
 
 Deviations from HtFLlib:
-- the study and quiz batches are the first batches of one seeded shuffled pass over the
-  client's training split, drawn anew each round; HtFLlib holds its first
-  `quiz_batches * batch_size` training samples out of local training for good, as the quiz set.
+- the quiz set, held out of local training for good as in the paper and HtFLlib, is the last
+  `quiz_batches * batch_size` samples of the client's training split (at most half of them);
+  HtFLlib holds out the first ones (rayfl's trainer trains on a prefix of the split). HtFLlib's
+  local training visits its batches in a fixed order (`shuffle=False`); rayfl shuffles.
 - clients clip their gradients only under `train.grad_clip` (HtFLlib clips at norm 100).
 - the look-ahead leaves the model's BatchNorm statistics as they were.
 - clients are scored during the warm-up too (HtFLlib skips those rounds' evaluation).
@@ -137,18 +141,25 @@ def meta_gradient(
     return (torch.zeros_like(guide) if grad is None else grad.detach()), float(quiz_loss.detach())
 
 
-def study_and_quiz(
-    batches: Sequence[Batch], study: int, quiz: int, batch_size: int
-) -> tuple[list[Batch], list[Batch]]:
-    """`study` then `quiz` batches of `batch_size` from the samples of `batches` (a shuffled
-    pass); a client with fewer samples splits what it has in that proportion (one at least)."""
-    x = torch.cat([b[0] for b in batches])
-    y = torch.cat([b[1] for b in batches])
-    n = min(len(y), (study + quiz) * batch_size)
-    cut = min(study * batch_size, max(1, round(n * study / (study + quiz))), n - 1)
+def split_study_quiz(
+    x: torch.Tensor, y: torch.Tensor, study: int, quiz: int, batch_size: int
+) -> tuple[int, list[Batch], list[Batch]]:
+    """The client's quiz set and this round's study batches.
+
+    The last `quiz * batch_size` samples of the training split (at most half of them) are the
+    quiz set, held out of local training; the study batches are the first `study` batches of a
+    shuffled pass (torch's seeded RNG) over the other samples.
+
+    Returns:
+        `(number of samples local training uses, study batches, quiz batches)`.
+    """
+    n_quiz = min(quiz * batch_size, len(y) // 2)
+    n_train = len(y) - n_quiz
+    pick = torch.randperm(n_train)[: study * batch_size].to(x.device)
     return (
-        list(zip(x[:cut].split(batch_size), y[:cut].split(batch_size))),
-        list(zip(x[cut:n].split(batch_size), y[cut:n].split(batch_size))),
+        n_train,
+        list(zip(x[pick].split(batch_size), y[pick].split(batch_size))),
+        list(zip(x[n_train:].split(batch_size), y[n_train:].split(batch_size))),
     )
 
 
@@ -185,25 +196,26 @@ class FedL2GClient(ModelClient[FedL2GParams]):
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         p = self.params
-        metrics: dict[str, float] = {}
-        if self.rnd.index > p.warm_up_rounds:
-            metrics = trainer.run(self.training_step, [self.model])
-        size = self.ctx.train.batch_size
-        study, quiz = study_and_quiz(
-            list(trainer.batches("train", shuffle=True)), p.study_batches, p.quiz_batches, size
+        x, y = (torch.cat(t) for t in zip(*trainer.batches("train")))
+        n_train, study, quiz = split_study_quiz(
+            x, y, p.study_batches, p.quiz_batches, self.ctx.train.batch_size
         )
-        self.model.train()
+        metrics: dict[str, float] = {}
+        if self.rnd.index > p.warm_up_rounds:  # the quiz samples stay out of local training
+            metrics = trainer.run(self.training_step, [self.model], targets=y[:n_train])
         grad, quiz_loss = torch.zeros_like(self.guide), float("nan")
-        if study and quiz:  # a client of one sample has nothing to quiz itself on
+        if quiz:  # a client of one sample has nothing to quiz itself on
+            self.model.train()
             grad, quiz_loss = meta_gradient(
                 self.model, self.guide, study, quiz, self.ctx.train.lr, p.guide
             )
+            metrics["fedl2g/quiz_loss"] = quiz_loss
         covered = (grad.abs().sum(1) > 0).to(torch.float32)  # the classes the study batches hold
         self.stats = {
             "means": grad.cpu().numpy().astype(np.float32),
             "counts": covered.cpu().numpy(),
         }
-        return {**metrics, "fedl2g/quiz_loss": quiz_loss} if study and quiz else metrics
+        return metrics
 
     def upload(self) -> Payload:
         return self.stats

@@ -12,7 +12,7 @@ from rayfl.algorithms.fedl2g import (
     FedL2GParams,
     FedL2GServer,
     meta_gradient,
-    study_and_quiz,
+    split_study_quiz,
 )
 from rayfl.errors import ConfigError
 from rayfl.models.base import SplitModel
@@ -53,13 +53,16 @@ def test_without_a_step_the_quiz_does_not_depend_on_the_guide():
     assert torch.equal(grad, torch.zeros(2, 2))
 
 
-def test_study_and_quiz_split():
+def test_the_last_samples_are_the_held_out_quiz_set():
     x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
-    study, quiz = study_and_quiz([(x[:6], y[:6]), (x[6:], y[6:])], 1, 1, 4)
-    assert [b[1].tolist() for b in study] == [[0, 1, 2, 3]]
-    assert [b[1].tolist() for b in quiz] == [[4, 5, 6, 7]]
-    study, quiz = study_and_quiz([(x[:3], y[:3])], 1, 2, 4)  # too few: split 1 : 2
-    assert [b[1].tolist() for b in study] == [[0]] and [b[1].tolist() for b in quiz] == [[1, 2]]
+    torch.manual_seed(0)
+    n_train, study, quiz = split_study_quiz(x, y, study=1, quiz=1, batch_size=4)
+    assert n_train == 6 and [b[1].tolist() for b in quiz] == [[6, 7, 8, 9]]
+    assert len(study) == 1 and len(study[0][1]) == 4 and max(study[0][1].tolist()) < 6
+    torch.testing.assert_close(study[0][0].squeeze(1), study[0][1].float())  # pairs kept
+    n_train, study, quiz = split_study_quiz(x[:3], y[:3], study=1, quiz=2, batch_size=4)
+    assert n_train == 2 and [b[1].tolist() for b in quiz] == [[2]]  # at most half is held out
+    assert sorted(study[0][1].tolist()) == [0, 1]
 
 
 def server(**params) -> FedL2GServer:
