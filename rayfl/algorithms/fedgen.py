@@ -22,15 +22,17 @@ Server: trains the generator against the uploaded heads (`server_epochs` Adam st
 averages the heads.
 
 Defaults are HtFLlib's FedGen command (`system/total.sh`: `-nd 32 -glr 0.1 -hd 512 -se 100`);
-the noise size 32 is also the official FedGen code's (zhuangdizhu/FedGen `GENERATORCONFIGS`).
+the noise size 32 is also the official FedGen code's for MNIST and EMNIST (zhuangdizhu/FedGen
+`GENERATORCONFIGS`; 64 for CIFAR).
 
 Deviations from HtFLlib, each for a reason:
 - the label counts travel with the heads, and the server sums the latest counts of every client
   seen so far; HtFLlib reads every client's counts at start-up. Until the first upload no count
   is known and clients train by CE alone (HtFLlib's round 0 samples its untrained generator).
 - labels are drawn with torch's seeded generator, not numpy's global one (determinism).
-- the official FedGen's diversity loss, its decaying loss weights and its latent-space
-  distillation are left out, as in HtFLlib.
+- the official FedGen's diversity loss, its decaying loss weights and its second client term
+  (a KL between the model's predictions on real samples and on generated samples of the same
+  labels) are left out, as in HtFLlib.
 """
 
 from __future__ import annotations
