@@ -186,7 +186,7 @@ class FedL2GClient(ModelClient[FedL2GParams]):
         self.stats: Payload = {}
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        self.guide = torch.as_tensor(np.array(payload["guide"]), device=self.ctx.device)
+        self.guide = torch.as_tensor(np.array(payload["means"]), device=self.ctx.device)
         self.rnd = rnd
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -238,7 +238,10 @@ class FedL2GServer(Server[FedL2GParams]):
         self.guide = torch.randn(ctx.num_classes, dim).numpy().astype(np.float32)
 
     def broadcast(self, arch: str, rnd: RoundContext) -> Payload:
-        return {"guide": self.guide.copy()}
+        # the guide as a class table, in the uploads' layout (as FedTGP's trained prototypes): the
+        # privacy hook sizes the uploads' protected contributions by the broadcast
+        counts = np.ones(len(self.guide), dtype=np.float32)
+        return {"means": self.guide.copy(), "counts": counts}
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         mean = protos.aggregate_class_means([r.payload for r in replies])

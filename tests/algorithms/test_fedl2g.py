@@ -79,7 +79,7 @@ def test_server_averages_each_class_over_the_clients_that_cover_it_then_clips_an
     s = server(server_lr=0.5)
     metrics = s.aggregate(replies, RND)  # mean gradient [[2, 0], [2, 0]], whatever the samples
     assert metrics == {"fedl2g/classes_guided": 2.0, "fedl2g/grad_norm": pytest.approx(8**0.5)}
-    np.testing.assert_allclose(s.broadcast("tiny_a", RND)["guide"], [[-1, 0], [-1, 0]])
+    np.testing.assert_allclose(s.broadcast("tiny_a", RND)["means"], [[-1, 0], [-1, 0]])
     s = server(server_lr=0.5, clip=1.0)  # the gradient scaled to norm 1
     s.aggregate(replies, RND)
     np.testing.assert_allclose(s.guide, -0.5 * np.array([[1, 0], [1, 0]]) / 2**0.5, rtol=1e-6)
