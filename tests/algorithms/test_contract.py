@@ -52,6 +52,7 @@ CONTRACT_PARAMS: dict[str, dict[str, Any]] = {
     "heterofl": {"global_arch": "resnet18_w2"},
     "fedfd": {"global_arch": "resnet18_w2", "steps": 2},
     "feddf": {"global_arch": "resnet18_w2", "steps": 2},
+    "fedl2g": {"warm_up_rounds": 1},  # round 2 trains (the default warms up for 50 rounds)
 }
 
 
@@ -207,6 +208,25 @@ def test_contract(name, tmp_path):
         other = twin.eval_models()[key].eval()
         with torch.no_grad():
             torch.testing.assert_close(logits_of(model(x)), logits_of(other(x)), rtol=0, atol=0)
+
+
+# Algorithms also checked on the Ray executor (two workers, one client per call): the same
+# numbers as the serial executor, round by round. A new algorithm adds its name.
+RAY_CONTRACT = ["fedgen", "fedl2g", "fedmrl"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", RAY_CONTRACT)
+def test_ray_executor_gives_the_serial_numbers(name, tmp_path, ray_local):
+    raw = contract_raw(name)
+    serial = Simulation(build_config(raw), tmp_path / "serial").run().history
+    raw["engine"].update(executor="ray", num_workers=2, clients_per_call=1)
+    on_ray = Simulation(build_config(raw), tmp_path / "ray").run().history
+
+    def comparable(row: Mapping[str, float]) -> dict[str, float]:
+        return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+    assert [comparable(r) for r in serial] == [comparable(r) for r in on_ray]
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if ALGORITHMS.get(n).needs_common_feature_dim])
