@@ -59,6 +59,17 @@ ALGOS = {
     "fedkd": ("FedKD", ["--mentee_learning_rate", "0.01"]),
     "fd": ("FD", ["--lamda", "1"]),
     "fedproto": ("FedProto", ["--lamda", "1"]),
+    "fedgen": (
+        "FedGen",
+        ["--noise_dim", "32", "--generator_learning_rate", "0.1", "--hidden_dim", "512"]
+        + ["--server_epochs", "100"],
+    ),
+    "fedmrl": ("FedMRL", []),
+    "fedl2g": (
+        "FedL2G-feat",
+        ["--server_learning_rate", "0.01", "--meta_study_batches", "1"]
+        + ["--meta_quiz_batches", "1", "--warm_up_rounds", "1"],
+    ),
 }
 # main.py's parser defaults for the fields the servers and clients of ALGOS read
 HTFLLIB_DEFAULTS: dict[str, Any] = {
@@ -93,6 +104,15 @@ HTFLLIB_DEFAULTS: dict[str, Any] = {
     "mentee_learning_rate": 0.01,
     "T_start": 0.95,
     "T_end": 0.98,
+    "noise_dim": 512,
+    "generator_learning_rate": 0.005,
+    "hidden_dim": 512,
+    "server_epochs": 100,
+    "sub_feature_dim": 128,
+    "server_learning_rate": 0.01,
+    "meta_study_batches": 1,
+    "meta_quiz_batches": 1,
+    "warm_up_rounds": 50,
 }
 
 
@@ -187,13 +207,16 @@ def run_htfllib(
 
     htfl_models.RayflNet = RayflNet  # type: ignore[attr-defined]
     name, _ = ALGOS[algo]
-    module = {
-        "FML": "serverfml",
-        "FedKD": "serverkd",
-        "FD": "serverfd",
-        "FedProto": "serverproto",
+    module, cls = {
+        "FML": ("serverfml", "FML"),
+        "FedKD": ("serverkd", "FedKD"),
+        "FD": ("serverfd", "FD"),
+        "FedProto": ("serverproto", "FedProto"),
+        "FedGen": ("servergen", "FedGen"),
+        "FedMRL": ("servermrl", "FedMRL"),
+        "FedL2G-feat": ("serverl2g_feat", "FedL2G"),
     }[name]
-    server_cls = getattr(__import__(f"flcore.servers.{module}", fromlist=[name]), name)
+    server_cls = getattr(__import__(f"flcore.servers.{module}", fromlist=[cls]), cls)
     dims = {RayflNet(a, in_shape, num_classes).feature_dim for a in family}
     if len(dims) != 1:
         raise SystemExit(f"HtFLlib needs one feature size; {family} has {sorted(dims)}")
@@ -202,11 +225,17 @@ def run_htfllib(
     args.num_clients, args.feature_dim = info["num_clients"], dims.pop()
     shape = f"{in_shape!r}, {num_classes}"
     args.models = [f"RayflNet({a!r}, {shape})" for a in family]
-    if algo in ("fml", "fedkd"):  # the shared model: rayfl's default, the family's smallest
+    if algo in (
+        "fml",
+        "fedkd",
+        "fedmrl",
+    ):  # the shared model: rayfl's default, the family's smallest
         from rayfl.algorithms.fml import shared_arch
 
         meme = shared_arch(None, family, in_shape, num_classes)
         args.global_model = f"RayflNet({meme!r}, {shape})"
+        if algo == "fedmrl" and "sub_feature_dim" not in flags:  # rayfl's default: its own size
+            args.sub_feature_dim = RayflNet(meme, in_shape, num_classes).feature_dim
     args.save_folder_name = "temp"  # main.py's default: system/temp/..., deleted at the end
     torch.manual_seed(0)  # as main.py
     server = server_cls(args, 0)
