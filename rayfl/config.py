@@ -186,7 +186,9 @@ class TierConfig:
 class DevicesConfig:
     """Simulated devices and a virtual clock (`rayfl.engine.devices`); off without tiers."""
 
-    tiers: tuple[TierConfig, ...] = ()
+    tiers: tuple[
+        TierConfig, ...
+    ] = ()  # kinds of device: {name, speed, availability or trace, dropout, bandwidth_mbps}
     by_arch: dict[str, str] = field(default_factory=dict)  # architecture -> tier name
     proportions: tuple[float, ...] = ()  # else: clients drawn into the tiers with these shares
     # whom the server waits for: all, the clients done by deadline_s, or the first_k done
