@@ -203,7 +203,8 @@ def test_tune_refuses_an_unsafe_sweep_state_before_ray_starts(
         raise AssertionError("Ray was started before the sweep folder was checked")
 
     monkeypatch.setattr(startup, "init_ray", no_ray)
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(synthetic_raw))
+    base = {**synthetic_raw, "data": {**synthetic_raw["data"], "val_fraction": 0.2}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))  # trials rank on validation
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(
         yaml.safe_dump(
