@@ -56,9 +56,11 @@ def test_help_has_examples(capsys):
 
 def _sim(rounds=3):
     cfg = SimpleNamespace(
-        engine=SimpleNamespace(rounds=rounds), algorithm=SimpleNamespace(name="x")
+        engine=SimpleNamespace(rounds=rounds),
+        algorithm=SimpleNamespace(name="x"),
+        eval=SimpleNamespace(proxy_health_rounds=3),
     )
-    return SimpleNamespace(cfg=cfg, start_round=1)
+    return SimpleNamespace(cfg=cfg, start_round=1, result=SimpleNamespace(history=[]))
 
 
 def test_progress_is_plain_lines_when_not_a_terminal():

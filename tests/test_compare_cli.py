@@ -83,7 +83,7 @@ def test_suite_page_figures_fit_the_page_column_unscaled(partial_suite):
 
     page = write_report(partial_suite).read_text()
     figures = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(figures) == 2  # accuracy per architecture, curves
+    assert len(figures) == 3  # accuracy per architecture, curves, accuracy against cost
     for data in figures:
         width = mpimg.imread(io.BytesIO(base64.b64decode(data))).shape[1]
         assert width <= 1080  # the CSS column is 1100 px: shown 1:1 in a 1400 px window

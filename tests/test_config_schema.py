@@ -46,7 +46,7 @@ def _wrong_type(tp: Any) -> str:
     ):
         return "5"
     if any(typing.get_origin(t) is tuple for t in leaves):
-        return "5"
+        return "abc" if any(t in (int, float) for t in leaves) else "5"  # int | tuple: 5 fits
     if any(t is str for t in leaves):
         return "[1, 2]"
     if any(typing.get_origin(t) is Literal for t in leaves):
