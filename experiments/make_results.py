@@ -27,6 +27,12 @@ Sources, each a small file in docs/results/:
       python3 experiments/make_results.py --devices runs/devices --set "command=..." \
           --set "commit=$(git rev-parse --short HEAD)"
 
+- `feature_shift_fmnist.json`: the feature-shift suite (`experiments/suites/feature_shift_fmnist.yaml`),
+  each finished run's final accuracy overall, per domain and in its worst domain:
+
+      python3 experiments/make_results.py --feature-shift runs/fs --set "command=..." \
+          --set "commit=$(git rev-parse --short HEAD)"
+
 - `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies;
 - `subsets.json` and the `*.runs.csv` it names: earlier runs of the shipped suites on small
   subsets of the data, kept and labelled as such.
@@ -295,6 +301,52 @@ def devices_section(data: Mapping[str, Any]) -> list[str]:
     return out + md_table(["setting", "method", "simulated s : accuracy, per round"], body)
 
 
+FEATURE_SHIFT = RESULTS / "feature_shift_fmnist.json"
+DOMAIN_KEY = "personal/acc/domain="
+
+
+def collect_domains(out_dir: Path, description: Mapping[str, Any]) -> dict[str, Any]:
+    """The feature-shift suite's finished runs in `out_dir`: each run's final accuracy overall,
+    in its worst domain and per domain."""
+    from rayfl.compare import load_suite, run_dir_of
+
+    suite = load_suite(ROOT / "experiments" / "suites" / "feature_shift_fmnist.yaml")
+    runs = []
+    for run in suite.runs:
+        summary = run_dir_of(out_dir, run) / "summary.json"
+        if not summary.is_file() or json.loads(summary.read_text()).get("status") != "FINISHED":
+            continue
+        final = json.loads(summary.read_text()).get("final", {})
+        keep = {
+            k: v
+            for k, v in final.items()
+            if v is not None
+            and (k.startswith(DOMAIN_KEY) or k in TRACKED)
+            or k == "personal/acc_worst_domain"
+        }
+        runs.append({"label": run.label, "seed": run.seed, "metrics": keep})
+    return {**description, "runs": runs}
+
+
+def domains_section(data: Mapping[str, Any]) -> list[str]:
+    """Final personalized accuracy per method: overall, worst domain and each domain."""
+    runs = data.get("runs", [])
+    out = ["## Feature shift (experiments/suites/feature_shift_fmnist.yaml)", ""]
+    if data.get("note"):
+        out += [data["note"], ""]
+    out += [f"Command: `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.", ""]
+    domains = sorted({k[len(DOMAIN_KEY) :] for r in runs for k in r["metrics"] if DOMAIN_KEY in k})
+    header = ["method", "seeds", "personal acc", "worst domain", *domains]
+    body = []
+    for label in dict.fromkeys(r["label"] for r in runs):
+        rs = [r["metrics"] for r in runs if r["label"] == label]
+        row = [label, str(len(rs)), pm([m["personal/acc"] for m in rs])]
+        row.append(pm([m["personal/acc_worst_domain"] for m in rs]))
+        row += [pm([m[DOMAIN_KEY + d] for m in rs if DOMAIN_KEY + d in m]) for d in domains]
+        body.append(row)
+    return out + md_table(header, body)
+
+
 # -- sections ----------------------------------------------------------------------------------
 def eta_line(runs: Sequence[Mapping[str, Any]]) -> str:
     measured: dict[str, list[float]] = {}
@@ -468,6 +520,8 @@ def page() -> str:
         out += headline_section(json.loads(HEADLINE.read_text()))
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
+    if FEATURE_SHIFT.is_file():
+        out += domains_section(json.loads(FEATURE_SHIFT.read_text()))
     if DEVICES.is_file():
         out += devices_section(json.loads(DEVICES.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
@@ -504,7 +558,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --collect: a description field (title, command, commit, ...)",
     )
     ap.add_argument("--devices", type=Path, help="the device-tier suite's --out folder")
+    ap.add_argument("--feature-shift", type=Path, help="the feature-shift suite's --out folder")
     args = ap.parse_args(argv)
+    if args.feature_shift:
+        data = collect_domains(args.feature_shift, dict(s.split("=", 1) for s in args.set))
+        FEATURE_SHIFT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return 0
     if args.devices:
         data = collect_devices(args.devices, dict(s.split("=", 1) for s in args.set))
         DEVICES.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
