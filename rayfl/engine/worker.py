@@ -40,9 +40,9 @@ class ClientRunner:
         self.federation = federation
         self.device = device
         self._algo = spec.algo
-        self._clients: dict[str, Client] = {}
-        self._shadows: dict[str, Client] = {}  # local-only shadows (eval.local_baseline)
-        self._controls: dict[str, Client] = {}  # no-federation controls (federation_control)
+        # one cached instance per architecture of each kind: the run's clients, their
+        # local-only shadows (eval.local_baseline), their no-federation controls
+        self._cache: dict[str, dict[str, Client]] = {"clients": {}, "shadows": {}, "controls": {}}
         self._initial: dict[str, Payload] | None = None  # the first broadcast, per architecture
         self._public: ArrayBatches | None = None
 
@@ -53,24 +53,30 @@ class ClientRunner:
             )
         return self._public
 
-    def _fresh_client(
-        self, arch: str, client_id: int, algorithm: str | None = None, cache: str = "clients"
-    ) -> Client:
+    def _fresh_client(self, arch: str, client_id: int, kind: str = "clients") -> Client:
         # A client's initial weights depend only on (seed, client id), never on which worker
-        # builds it; the new instance then serves as this worker's cache for the architecture
-        # (`cache`: the run's clients, or the no-federation controls, which are built alike).
+        # builds it; the new instance then serves as this worker's cached one of its `kind` for
+        # the architecture (a shadow is `local`'s client; a control is built like the client).
         seed_torch(seed_of(words(Purpose.INIT, self.spec.seed, client=client_id)))
-        if algorithm is None:
-            client = self._algo.client(
-                self.spec.client_context(arch, self.device), self.spec.params
-            )
-            (self._controls if cache == "controls" else self._clients)[arch] = client
+        context = self.spec.client_context(arch, self.device)
+        if kind == "shadows":
+            local = ALGORITHMS.get("local")
+            client = local.client(context, local.params())
         else:
-            algo = ALGORITHMS.get(algorithm)
-            client = algo.client(self.spec.client_context(arch, self.device), algo.params())
-            self._shadows[arch] = client
+            client = self._algo.client(context, self.spec.params)
+        self._cache[kind][arch] = client
         for module in client.modules():
             place(module, self.device)
+        return client
+
+    def _loaded(self, kind: str, cid: int, state: Payload | None) -> Client:
+        """`cid`'s client half of `kind` with `state` loaded: a fresh one (the client's initial
+        weights) without a state, else this worker's cached instance of its architecture."""
+        arch = self.spec.archs[cid]
+        if state is None:
+            return self._fresh_client(arch, cid, kind)
+        client = self._cache[kind].get(arch) or self._fresh_client(arch, cid, kind)
+        client.load_state_dict(state)
         return client
 
     def _trainer(self, round_idx: int, cid: int, purpose: Purpose = Purpose.TRAIN) -> LocalTrainer:
@@ -145,12 +151,7 @@ class ClientRunner:
     def client_for(self, cid: int, state: Payload | None) -> Client:
         """The client half for `cid` with its state loaded: a fresh one for a new client, else
         the cached instance of its architecture."""
-        arch = self.spec.archs[cid]
-        if state is None:
-            return self._fresh_client(arch, cid)
-        client = self._clients.get(arch) or self._fresh_client(arch, cid)
-        client.load_state_dict(state)
-        return client
+        return self._loaded("clients", cid, state)
 
     def client_round(
         self,
@@ -193,15 +194,7 @@ class ClientRunner:
 
     def _shadow_for(self, cid: int, state: Payload | None) -> Client:
         """The client's local-only shadow with its part (`baseline/`) of the client's state."""
-        arch = self.spec.archs[cid]
-        shadow_state = {
-            k[len(BASELINE) :]: v for k, v in (state or {}).items() if k.startswith(BASELINE)
-        }
-        if not shadow_state:
-            return self._fresh_client(arch, cid, algorithm="local")
-        shadow = self._shadows.get(arch) or self._fresh_client(arch, cid, algorithm="local")
-        shadow.load_state_dict(shadow_state)
-        return shadow
+        return self._loaded("shadows", cid, _part(state, BASELINE) or None)
 
     def _fit_baseline(
         self,
@@ -239,14 +232,9 @@ class ClientRunner:
 
     def _control_for(self, cid: int, state: Payload | None) -> Client:
         """The client's no-federation control with its part (`control/`) of the client's state."""
-        arch = self.spec.archs[cid]
-        own = {k[len(CONTROL) :]: v for k, v in (state or {}).items() if k.startswith(CONTROL)}
-        own.pop(CONTROL_ACC[len(CONTROL) :], None)
-        if not own:
-            return self._fresh_client(arch, cid, cache="controls")
-        control = self._controls.get(arch) or self._fresh_client(arch, cid, cache="controls")
-        control.load_state_dict(own)
-        return control
+        own = _part(state, CONTROL)
+        own.pop(CONTROL_ACC[len(CONTROL) :], None)  # its score, kept beside its state
+        return self._loaded("controls", cid, own or None)
 
     def _control_score(self, cid: int, state: Payload | None, trainer: LocalTrainer) -> float:
         """The control's accuracy: the one after its last local training, kept in the state;
@@ -287,3 +275,8 @@ class ClientRunner:
         new_state.update({CONTROL + k: v for k, v in control.state_dict().items()})
         new_state[CONTROL_ACC] = np.array(acc, dtype=np.float64)
         return seconds
+
+
+def _part(state: Payload | None, prefix: str) -> Payload:
+    """The entries of `state` under `prefix`, with the prefix taken off."""
+    return {k[len(prefix) :]: v for k, v in (state or {}).items() if k.startswith(prefix)}
