@@ -407,21 +407,21 @@ class Simulation:
         archs = sorted({self.archs[c] for c in clients})
         sizes, payloads = ex.broadcast(rnd, archs)
         received = clients  # who downloaded the broadcast
-        plan = None
-        if self.devices is not None:  # who trains, by availability, dropout and deadline
-            plan = self.devices.plan(rnd, clients, {a: float(n) for a, n in sizes.items()})
+        devices, plan = self.devices, None
+        if devices is not None:  # who trains, by availability, dropout and deadline
+            plan = devices.plan(rnd, clients, sizes)
             received = sorted([*plan.participants, *plan.dropped_out, *plan.stragglers])
             clients = plan.participants
-            if len(clients) < cfg.engine.min_replies:
-                comm["down"] += float(sum(sizes[self.archs[c]] for c in received))
-                return self._skip_round(rnd, plan, comm, start)
+        bytes_down = float(sum(sizes[self.archs[c]] for c in received))
+        if plan is not None and len(clients) < cfg.engine.min_replies:
+            comm["down"] += bytes_down
+            return self._skip_round(rnd, plan, comm, start)
         fit_start = time.perf_counter()
         deployed = cfg.eval.protocol == "deployed"
         client_rows, replies = ex.fit(rnd, clients, payloads, evaluate and not deployed)
         fit_end = time.perf_counter()
-        if plan is not None and self.devices is not None and self.devices.cfg.work == "measured":
-            train_s = {r["client"]: r["train_s"] for r in client_rows}
-            self.devices.measured(plan, train_s, {a: float(n) for a, n in sizes.items()})
+        if devices is not None and plan is not None and devices.cfg.work == "measured":
+            devices.measured(plan, {r["client"]: r["train_s"] for r in client_rows}, sizes)
         if self._finish_pending():
             return None
         server_start = time.perf_counter()
@@ -440,7 +440,6 @@ class Simulation:
             _, new_payloads = ex.broadcast(rnd, sorted(set(self.archs)))
             eval_rows = self._evaluate_deployed(rnd, new_payloads, client_rows)
         eval_s = time.perf_counter() - eval_start
-        bytes_down = float(sum(sizes[self.archs[c]] for c in received))
         comm["up"] += server_metrics.get("comm/bytes_up", 0.0)
         comm["down"] += bytes_down
         row: dict[str, float] = {"round": float(rnd), "clients": float(len(client_rows))}
