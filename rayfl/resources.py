@@ -44,6 +44,19 @@ def worker_capacity(e: EngineConfig, total: Mapping[str, float]) -> int:
     return max(0, min(fits, default=sys.maxsize))
 
 
+def _check_server(e: EngineConfig, total: Mapping[str, float], where: str, fix: str) -> str:
+    """Refuse a server that does not fit `total`; returns "`where` has N CPU / M GPU"."""
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    s = e.server_resources
+    has = f"{where} has {cpus:g} CPU" + (f" / {gpus:g} GPU" if math.isfinite(gpus) else "")
+    if s.num_cpus > cpus or s.num_gpus > gpus:
+        raise UserError(
+            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but {has}; "
+            f"lower engine.server_resources{' or ' + fix if s.num_gpus > gpus else ''}"
+        )
+    return has
+
+
 def check_fits(
     e: EngineConfig,
     total: Mapping[str, float],
@@ -56,14 +69,8 @@ def check_fits(
         UserError: the server does not fit, not one worker fits, or the pinned
             `engine.num_workers` do not all fit (one line naming `where` and the fix).
     """
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
-    has = f"{where} has {cpus:g} CPU" + (f" / {gpus:g} GPU" if math.isfinite(gpus) else "")
-    if s.num_cpus > cpus or s.num_gpus > gpus:
-        raise UserError(
-            f"engine.server_resources asks for {s.num_cpus} CPU / {s.num_gpus} GPU but {has}; "
-            f"lower engine.server_resources{' or ' + fix if s.num_gpus > gpus else ''}"
-        )
+    has = _check_server(e, total, where, fix)
     capacity = worker_capacity(e, total)
     if capacity < 1:
         raise UserError(
@@ -95,14 +102,9 @@ def fit_pools(
     """
     counts = Counter(client_shapes)
     order = list(dict.fromkeys(client_shapes))  # first appearance: the same on every call
+    has = _check_server(e, total, where, LOWER_WORKERS)
     s = e.server_resources
     free = {"CPU": total.get("CPU", 0.0) - s.num_cpus, "GPU": total.get("GPU", 0.0) - s.num_gpus}
-    has = f"{where} has {total.get('CPU', 0.0):g} CPU / {total.get('GPU', 0.0):g} GPU"
-    if min(free.values()) < -1e-9:
-        raise UserError(
-            f"engine.server_resources asks for {s.num_cpus:g} CPU / {s.num_gpus:g} GPU but "
-            f"{has}; lower engine.server_resources"
-        )
     wanted_all = e.num_workers or math.ceil(per_round / e.clients_per_call)
     n = max(1, len(client_shapes))
     wanted = {r: max(1, round(wanted_all * counts[r] / n)) for r in order}

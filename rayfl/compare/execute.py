@@ -182,15 +182,12 @@ def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], R
     if e.server_resources.num_gpus > 0:
         driver["GPU"] = e.server_resources.num_gpus
     if e.resources_by_arch:  # a pool per shape, sized within the run's share
-        from rayfl.engine.pool import run_shapes
+        from rayfl.engine.pool import bundle, run_shapes
 
         share_of = {k: total.get(k, 0.0) * share for k in ("CPU", "GPU")}
         shapes = run_shapes(cfg, share_of)
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=len(shapes)))
-        bundles = [
-            {k: v for k, v in (("CPU", r.num_cpus), ("GPU", r.num_gpus)) if v > 0} for r in shapes
-        ]
-        return [driver, *bundles], cfg
+        return [driver, *(bundle(r) for r in shapes)], cfg
     room = []
     if w.num_cpus > 0:
         room.append(math.floor(total.get("CPU", 0.0) * share / w.num_cpus + 1e-9))

@@ -135,7 +135,7 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
     call it was running up to `engine.max_retries` times (`max_task_retries`); a call that
     fails more often surfaces as `RayActorError` (rayfl.engine.ray_executor)."""
     if e.resources_by_arch:
-        sizes = plan_pools(e, per_round, arch_shapes(e, archs))
+        sizes = fit_pools(e, per_round, arch_shapes(e, archs), ray.cluster_resources())
     else:
         sizes = {e.worker_resources: plan_workers(e, per_round)}
     actors: list[Any] = []
@@ -173,17 +173,8 @@ def run_shapes(cfg: Any, total: Mapping[str, float], one_each: bool = False) -> 
     return [r for r, n in sizes.items() for _ in range(n)]
 
 
-def plan_pools(
-    e: EngineConfig, per_round: int, client_shapes: Sequence[Resources]
-) -> dict[Resources, int]:
-    """Workers per resource shape: one each at least, then more, in proportion to the shape's
-    share of the clients, up to one wave of a round's clients or `engine.num_workers` in all,
-    as far as the cluster holds them after the server's share."""
-    total = ray.cluster_resources()
-    return fit_pools(e, per_round, client_shapes, total)
-
-
-def _bundle(res: Any) -> dict[str, float]:
+def bundle(res: Any) -> dict[str, float]:
+    """A placement-group bundle of a reservation (`Resources`): its non-zero CPU and GPU."""
     return {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
 
 
@@ -199,9 +190,9 @@ def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> 
     if worker_capacity(e, total) >= required:
         return total
     wanted = max(required, math.ceil(per_round / e.clients_per_call))
-    bundles = [_bundle(e.worker_resources) for _ in range(wanted)]
-    if _bundle(e.server_resources):
-        bundles.append(_bundle(e.server_resources))
+    bundles = [bundle(e.worker_resources) for _ in range(wanted)]
+    if bundle(e.server_resources):
+        bundles.append(bundle(e.server_resources))
     w = e.worker_resources
     need = f"{required} worker(s) of {w.num_cpus:g} CPU / {w.num_gpus:g} GPU"
     request_resources(bundles=bundles)
