@@ -1,4 +1,4 @@
-"""`rayfl run | validate | ls | bench | compare | tune`.
+"""`rayfl run | validate | ls | ls-runs | compare | tune | report`.
 
 Every error a user can cause ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rayfl.config import RunConfig, load_config
+from rayfl.config import RunConfig, build_config, load_config
 from rayfl.errors import UserError
-from rayfl.launch import default_run_dir, exit_now, load_for_run, simulate
+from rayfl.launch import default_run_dir, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")
@@ -145,7 +145,6 @@ class Interrupted(KeyboardInterrupt):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    early = None
     if args.resume:
         from rayfl.engine.rundir import resume_config
 
@@ -160,23 +159,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(
                 "--resume takes the run directory's own config.yaml; pass only key=value overrides"
             )
-        # an untrusted directory: checked in full before Ray starts (no early start here)
+        # an untrusted directory: checked in full before Ray starts
         cfg = resume_config(run_dir, overrides)
-        from rayfl.resources import check_local
-
-        check_local(cfg.engine)  # before Ray starts, as for a new run (rayfl.launch)
     else:
         if not args.config:
             raise UserError("rayfl run needs a config file (e.g. experiments/pfedes_fmnist.yaml)")
         path, overrides = Path(args.config), list(args.overrides)
         refuse_other_kinds(path)
-        cfg, early = load_for_run(path, overrides, run_dir=args.out)
+        cfg = load_config(path, overrides)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
     try:
-        result = simulate(
-            cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume), early=early
-        )
+        result = simulate(cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume))
     except KeyboardInterrupt:
         raise Interrupted(
             f"the run directory keeps its last checkpoint; resume with: "
@@ -214,7 +208,7 @@ def cmd_ls_runs(args: argparse.Namespace) -> int:
 OTHER_KINDS = {
     "suite": ("a comparison suite (algorithms x seeds)", "rayfl compare"),
     "sweep": ("a hyperparameter sweep", "rayfl tune"),
-    "bench": ("a benchmark", "rayfl bench"),
+    "bench": ("a benchmark", "python3 experiments/benchmarks/bench.py"),
 }
 
 
@@ -292,11 +286,6 @@ def validate_file(
     if is_cluster_file(raw):
         return describe_cluster(validate_cluster_config(path))
     configs: list[Any]
-    if "bench" in raw:
-        from rayfl.bench import load_bench
-
-        bench = load_bench(path, list(overrides))
-        return f"benchmark of {len(bench.variants)} variants"
     if "suite" in raw:
         from rayfl.compare import load_suite
 
@@ -308,14 +297,16 @@ def validate_file(
         sweep = load_sweep(path, overrides)
         configs, describe = [sweep.config], f"sweep over {', '.join(sweep.space)}"
     else:
-        cfg = load_config(path, overrides)
+        # a benchmark's base is one run (its variants: experiments/benchmarks/bench.py)
+        bench = raw.pop("bench", None) is not None
+        cfg = build_config(raw, overrides)
         from rayfl.checks import check_family
 
         archs = check_family(cfg)
         configs = [cfg]
         describe = (
-            f"{cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
-            f"{len(set(archs))} architectures"
+            f"{'benchmark: ' if bench else ''}{cfg.algorithm.name} on {cfg.data.dataset}, "
+            f"{cfg.data.num_clients} clients, {len(set(archs))} architectures"
         )
     check_placement(configs, cluster, notes)
     for cfg in configs:  # valid settings an algorithm knows to be pointless (`Params.notes`)
@@ -387,15 +378,6 @@ def _partitioners_text() -> str:
     return "\n".join(lines)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from rayfl.bench import run_bench
-
-    print(
-        run_bench(args.config, args.overrides, out=args.out, variants=args.only, repeat=args.repeat)
-    )
-    return 0
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from rayfl.compare import SuiteInterrupted, run_suite
 
@@ -449,11 +431,6 @@ EXAMPLES = {
   rayfl ls            # algorithms, models, families, datasets, partitioners
   rayfl ls pfedes     # pFedES's keys with defaults and one line of help each
   rayfl ls engine     # a config section's keys""",
-    "bench": """examples:
-  rayfl bench experiments/benchmarks/throughput.yaml
-  rayfl bench experiments/benchmarks/throughput.yaml engine.rounds=2
-  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --out bench-fedavg
-  rayfl bench experiments/benchmarks/fedavg_cnn_small.yaml --only ray --repeat 3""",
     "compare": """examples:
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml --out runs/suite
   rayfl compare experiments/suites/pfedes_paper_fmnist.yaml engine.rounds=2 --out runs/suite
@@ -546,27 +523,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
     p.set_defaults(fn=cmd_ls_runs)
 
-    p = _sub(sub, "bench", "serial vs Ray executor on one workload, side by side")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    p.add_argument(
-        "--out", help="folder for the variants' runs and report.txt (default: a temp dir)"
-    )
-    p.add_argument(
-        "--only",
-        nargs="+",
-        metavar="VARIANT",
-        help="run only these variants (and the floors of their worker counts)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run floors and variants N times, alternating; report medians (noisy machines)",
-    )
-    p.set_defaults(fn=cmd_bench)
-
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
     p.add_argument("suite")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
@@ -626,8 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The `rayfl` command: `main`, then `exit_now`."""
-    exit_now(main())
+    """The `rayfl` command."""
+    sys.exit(main())
 
 
 def _terminate(signum: int, frame: Any) -> None:

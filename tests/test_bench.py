@@ -1,14 +1,33 @@
-"""`rayfl bench`: variants as processes, the compute floor and the ratios to it."""
+"""The speed benchmark (experiments/benchmarks/bench.py, outside the package): variants as
+processes, the compute floor and the ratios to it; its folder read back as untrusted input; the
+privacy protocol's cost (privacy_protocol.py)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import yaml
 
-from rayfl.bench import (
+from rayfl.config import build_config
+from rayfl.engine.sampling import sample_clients
+from rayfl.errors import ConfigError, UserError
+from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
+from tests.conftest import SYNTHETIC
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import each other as `python3 bench.py` does
+
+import bench  # noqa: E402
+import bench_floors  # noqa: E402
+import privacy_protocol  # noqa: E402
+from bench import (  # noqa: E402
     FLOOR,
     Bench,
     floor_label,
@@ -19,11 +38,7 @@ from rayfl.bench import (
     run_bench,
     summarize,
 )
-from rayfl.bench_floors import floor_shares, ray_floor_label
-from rayfl.config import build_config
-from rayfl.engine.sampling import sample_clients
-from rayfl.errors import ConfigError, UserError
-from tests.conftest import SYNTHETIC
+from bench_floors import floor_shares, ray_floor_label  # noqa: E402
 
 
 def bench_file(tmp_path, section):
@@ -149,9 +164,7 @@ def test_the_table_reports_what_spilled_to_disk_apart_from_memory():
 
 
 def test_the_store_probe_measures_the_spill_folder_on_disk(tmp_path):
-    from rayfl.bench import StoreProbe
-
-    probe = StoreProbe(tmp_path / "ray-spill")
+    probe = bench.StoreProbe(tmp_path / "ray-spill")
     probe.on_round_end(None, 1, {})
     assert probe.spilled_bytes == 0.0  # nothing spilled yet: no folder
     (tmp_path / "ray-spill" / "node").mkdir(parents=True)
@@ -184,6 +197,7 @@ def test_ratios_to_the_floor_of_the_same_worker_count_golden():
     assert tail(floor_label(2)) == ["25.0", "1.00"]
 
 
+@pytest.mark.ray
 def test_bench_runs_each_variant_as_a_process(tmp_path):
     path = bench_file(tmp_path, {"warmup_rounds": 0, "variants": {"serial": []}})
     text = run_bench(path, ["data.num_clients=3"], out=tmp_path / "out")
@@ -238,6 +252,7 @@ def test_each_variant_is_also_paired_with_the_ray_floor_golden():
     assert row.split()[-1] == "1.09"  # the Ray floor's own ratio to the compute floor
 
 
+@pytest.mark.ray
 def test_the_ray_floor_trains_the_floors_shares_in_ray_actors(tmp_path):
     # one private Ray in a child process (started and shut down there), as a run's
     section = {"warmup_rounds": 0, "ray_floor": True, "variants": {"serial": []}}
@@ -258,3 +273,148 @@ def test_repeat_must_be_positive(tmp_path):
     path = bench_file(tmp_path, {"variants": {"serial": []}})
     with pytest.raises(UserError, match="--repeat 0"):
         run_bench(path, repeat=0)
+
+
+@pytest.mark.ray
+def test_the_driver_runs_a_tiny_benchmark_from_the_command_line(tmp_path):
+    path = bench_file(tmp_path, {"warmup_rounds": 0, "floor": False, "variants": {"serial": []}})
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench.py"), str(path), "data.num_clients=3"]
+        + ["--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(line.strip().startswith("serial") for line in proc.stdout.splitlines())
+    bad = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench.py"), str(path), "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("bench: error: --repeat 0")
+
+
+def test_protocol_bench_counts_the_bytes_of_one_upload():
+    measure, variants = privacy_protocol.measure, privacy_protocol.VARIANTS
+    assert measure(variants["dp"], clients=3, size=50)["bytes_up"] == 4 * 50  # float32
+    assert measure(variants["secagg"], clients=3, size=50)["bytes_up"] == 8 * 51  # uint64 + weight
+
+
+# ------------------------------------------------------------- the folder, as untrusted input
+
+VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
+
+
+def _oversized(path: Path, victim: Path) -> None:
+    with path.open("wb") as f:  # sparse: costs no disk
+        f.truncate(JSON_LIMIT + 1)
+
+
+PLANTS = {
+    "symlink": lambda path, victim: path.symlink_to(victim),
+    "fifo": lambda path, victim: os.mkfifo(path),
+    "oversized": _oversized,
+    "deep": lambda path, victim: path.write_text("[" * (JSON_DEPTH + 10) + "]" * (JSON_DEPTH + 10)),
+}
+PROBLEM = {
+    "symlink": "symbolic link",
+    "fifo": "FIFO",
+    "oversized": "over the limit",
+    "deep": "nests deeper",
+}
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    path = tmp_path / "victim.json"
+    path.write_bytes(VICTIM)
+    return path
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+class _FinishedChild:
+    """A child process that already exited 0 (the benchmark's children are not the point)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.pid = os.getpid()
+        self.returncode = 0
+
+    def communicate(self) -> tuple[str, None]:
+        return "", None
+
+
+@pytest.fixture
+def no_children(monkeypatch):
+    fake = types.SimpleNamespace(Popen=_FinishedChild, PIPE=-1, STDOUT=-2)
+    monkeypatch.setattr(bench_floors, "subprocess", fake)  # every child the benchmark starts
+
+
+FLOOR_REPORTS = {  # a floor's runner, and the report its children write
+    "floor": (bench_floors.run_floor, "share0.json"),
+    "rayfloor": (bench_floors.run_ray_floor, "rayfloor.json"),
+}
+
+
+@pytest.mark.parametrize("floor", FLOOR_REPORTS)
+@pytest.mark.parametrize("kind", PLANTS)
+def test_bench_refuses_an_unsafe_floor_report_in_one_line(
+    kind, floor, tmp_path, victim, synthetic_raw, no_children
+):
+    run, name = FLOOR_REPORTS[floor]
+    out = tmp_path / floor
+    out.mkdir()
+    PLANTS[kind](out / name, victim)
+    with pytest.raises(UserError) as info:
+        run(synthetic_raw, (), 1, out)
+    line = _one_line(str(info.value))
+    assert name in line and PROBLEM[kind] in line
+    assert victim.read_bytes() == VICTIM
+
+
+@pytest.mark.parametrize("kind", PLANTS)
+def test_bench_refuses_an_unsafe_variant_report_in_one_line(
+    kind, tmp_path, victim, synthetic_raw, no_children
+):
+    out = tmp_path / "variant"
+    (out / "run").mkdir(parents=True)
+    PLANTS[kind](out / "run" / "bench.json", victim)
+    with pytest.raises(UserError) as info:
+        bench.run_variant(synthetic_raw, [], out)
+    line = _one_line(str(info.value))
+    assert "bench.json" in line and PROBLEM[kind] in line
+    assert victim.read_bytes() == VICTIM
+
+
+def test_bench_says_in_one_line_when_a_variant_wrote_no_report(
+    tmp_path, synthetic_raw, no_children
+):
+    out = tmp_path / "variant"
+    (out / "run").mkdir(parents=True)  # the child exited 0 but wrote no bench.json
+    with pytest.raises(UserError) as info:
+        bench.run_variant(synthetic_raw, [], out)
+    line = _one_line(str(info.value))
+    assert "bench.json" in line and "without writing its report" in line
+
+
+def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
+    tmp_path, victim, synthetic_raw, no_children
+):
+    out = tmp_path / "variant"
+    (out / "run").mkdir(parents=True)
+    (out / "bench_config.yaml").symlink_to(victim)
+    (out / "run" / "bench.json").write_text(
+        json.dumps({"rounds": [], "store_peak_mb": 0.0, "spilled_mb": 0.0, "status": "FINISHED"})
+    )
+    report = bench.run_variant(synthetic_raw, [], out)
+    assert report["clients"] == synthetic_raw["data"]["num_clients"]
+    assert victim.read_bytes() == VICTIM
+    assert not (out / "bench_config.yaml").is_symlink()
+    assert yaml.safe_load((out / "bench_config.yaml").read_text())["seed"] == synthetic_raw["seed"]

@@ -28,9 +28,8 @@ GPU_EXPERIMENTS = sorted(
 
 @pytest.fixture
 def no_ray(monkeypatch) -> list[str]:
-    """Fail a test that starts Ray (the session's shared Ray may be up already): both the
-    direct start and `rayfl run`'s early start in a thread."""
-    from rayfl.engine import early, startup
+    """Fail a test that starts Ray (the session's shared Ray may be up already)."""
+    from rayfl.engine import startup
 
     starts: list[str] = []
 
@@ -39,7 +38,6 @@ def no_ray(monkeypatch) -> list[str]:
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(startup, "init_ray", refuse)
-    monkeypatch.setattr(early, "EarlyRay", refuse)
     return starts
 
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rayfl.config import RunConfig, to_dict
-from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
 from rayfl.safefile import write_atomic
 from rayfl.tables import write_table
+from rayfl.tracking.plots import plot_run
 
 if TYPE_CHECKING:
     from rayfl.engine.checkpoint import Restored
@@ -58,8 +58,8 @@ class Callback:
         pass
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
-        """After the last round (also when the run failed or was stopped). The executor shuts
-        down meanwhile, in another thread: read what the simulation holds, not its executor."""
+        """After the last round (also when the run failed or was stopped), before the executor
+        shuts down; `sim.result.error` holds what ended a FAILED run."""
 
 
 HEALTH_MARGIN = 0.05  # a proxy within this much accuracy of chance has not learned
@@ -224,21 +224,15 @@ CLIENTS_FILE = "clients.parquet"
 
 
 class RunDirectory(Callback):
-    """Writes the run directory: config.yaml, partition Parquet and plot, metrics.parquet and
-    clients.parquet (one row per client and evaluated round, `rayfl.engine.loop.CLIENT_COLUMNS`)
-    after every round (so a crash loses no measured round), summary.json and plots at the end.
+    """Writes the run directory: config.yaml and the partition's Parquet files at the start,
+    metrics.parquet and clients.parquet (one row per client and evaluated round,
+    `rayfl.engine.metrics.per_client_rows`) after every round (so a crash loses no measured
+    round), summary.json and the plots at the end."""
 
-    The plots are drawn by a plotting process at the lowest CPU priority, started with the run
-    (`rayfl.tracking.plotter`; `plot_process=False`: in this process, at the end)."""
-
-    def __init__(self, run_dir: str | Path, plot_process: bool = True) -> None:
+    def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
-        self.started = time.time()
         self.artifacts: list[Path] = []
         self._opened = False
-        self._partition: Background | None = None
-        self._plot_process = plot_process
-        self._plotter: Any = None
         self._clients_before: list[dict[str, Any]] = []  # a resumed run's earlier rounds
 
     def on_run_start(self, sim: Simulation) -> None:
@@ -256,94 +250,50 @@ class RunDirectory(Callback):
         write_atomic(config_path, yaml.safe_dump(to_dict(sim.cfg), sort_keys=False).encode())
         # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
         self.write_summary(sim, "RUNNING")
-        self.artifacts = [config_path]
-        # ~0.5 s (pyarrow) that the first round need not wait for: done by its end
-        self._partition = Background(
-            save_partition, sim.federation, self.run_dir, name="rayfl-write"
-        )
-        if self._plot_process:
-            from rayfl.tracking.plotter import PlotProcess
-
-            self._plotter = PlotProcess()
-            self._plotter.send(self._labels_job(sim))
-
-    def _labels_job(self, sim: Simulation) -> dict[str, Any]:
-        from rayfl.tracking.plotter import LABELS
-
-        counts = sim.federation.class_counts("train")
-        path = self.run_dir / LABELS
-        return {
-            "job": "labels",
-            "counts": counts.tolist(),
-            "dataset": sim.federation.dataset.name,
-            "path": str(path),
-        }
-
-    def _partition_saved(self) -> None:
-        if self._partition is not None:
-            partition, self._partition = self._partition, None
-            self.artifacts += partition.result()
+        self.artifacts = [config_path, *save_partition(sim.federation, self.run_dir)]
 
     def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        self._partition_saved()
         write_metrics(sim.result.history, self.run_dir / "metrics.parquet")
         if sim.result.clients and sim.result.clients[-1]["round"] == round_idx:
             write_table(self._clients_before + sim.result.clients, self.run_dir / CLIENTS_FILE)
 
     def write_summary(self, sim: Simulation, status: str) -> None:
-        """summary.json as strict JSON (NaN and inf written as null), replaced atomically."""
+        """summary.json as strict JSON (NaN and inf written as null), replaced atomically.
+        `wall_s` sums the pieces of a resumed run; `error` is what ended a FAILED run."""
         history = sim.result.history
         summary = {
             "status": status,
             "name": sim.cfg.name,
             "seed": sim.cfg.seed,
             "rounds": len(history),
-            "wall_s": time.time() - self.started,
+            "wall_s": sim.wall_s(),
             "final": sim.result.final,
             "config": to_dict(sim.cfg),
             "versions": versions(),
         }
+        if sim.result.error is not None:
+            summary["error"] = sim.result.error
         write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2).encode())
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
-        """summary.json, then the plots: the label distribution (from the partition saved at the
-        start) and the learning curves, from the plotting process (see the class), else drawn
-        here: while the executor shuts down (see `Simulation.run`), not at the start, where
-        matplotlib's ~1.5 s of CPU delayed the first round on a small machine."""
-        plotter, self._plotter = self._plotter, None
+        """summary.json, then the plots: the label distribution, the learning curves and the
+        accuracy per architecture (`rayfl.tracking.plots.plot_run`)."""
         if not self._opened:
             # the run failed before it started (e.g. a refused resume): leave the directory as it was
-            if plotter is not None:
-                plotter.stop()
             return
         history = sim.result.history
-        self._partition_saved()
         self.write_summary(sim, status)
-        self.artifacts += [self.run_dir / "summary.json"]
-        curves = {
-            "job": "curves",
-            "history": history,
-            "title": sim.cfg.name,
-            "dir": str(self.run_dir),
-        }
-        done = {}
-        if plotter is not None:
-            if history:
-                plotter.send(curves)
-            done = plotter.finish()
-        from rayfl.tracking.plotter import draw
-
-        jobs = [("labels", lambda: self._labels_job(sim))]
-        if history:
-            jobs.append(("curves", lambda: curves))
-        for name, job in jobs:
-            if name not in done:
-                try:
-                    done[name] = draw(job())
-                except Exception:
-                    log.exception("could not draw the %s plot", name)
-                    continue
-            self.artifacts += done[name]
+        self.artifacts.append(self.run_dir / "summary.json")
+        try:
+            self.artifacts += plot_run(
+                self.run_dir,
+                history,
+                sim.federation.class_counts("train"),
+                sim.federation.dataset.name,
+                sim.cfg.name,
+            )
+        except Exception:  # the run's results are written: a plot must not fail the run
+            log.exception("could not draw the run's plots")
         if history:
             # metrics.parquet is already current: on_round_end rewrites it after every round.
             self.artifacts.append(self.run_dir / "metrics.parquet")
@@ -403,6 +353,8 @@ class TrackerCallback(Callback):
         self.tracker.log_metrics(_tracked(metrics), step=round_idx)
 
     def on_run_end(self, sim: Simulation, status: str) -> None:
+        if sim.result.error is not None:  # a FAILED run says why (tag `rayfl.error`)
+            self.tracker.set_tags({"rayfl.error": sim.result.error})
         if self.run_dir is not None:
             for path in self.run_dir.artifacts:
                 if Path(path).exists():

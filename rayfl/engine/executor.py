@@ -141,7 +141,8 @@ class StateView:
         return self._get(self._server)
 
 
-def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
+def batches(ids: Sequence[int], size: int) -> list[list[int]]:
+    """`ids` in consecutive batches of `size` (the last one shorter)."""
     return [list(ids[i : i + size]) for i in range(0, len(ids), size)]
 
 
@@ -179,7 +180,7 @@ class SerialExecutor(Executor):
             # the batches a Ray worker would get (each client is seeded on its own, so the
             # numbers are those of one call)
             rows, reply_lists = [], []
-            for chunk in _batches(client_ids, self.spec.engine.clients_per_call):
+            for chunk in batches(client_ids, self.spec.engine.clients_per_call):
                 states = [self.states.get(c) for c in chunk]
                 chunk_rows, batch, new_states = self.runner.fit(
                     round_idx, chunk, payloads, states, evaluate
@@ -216,7 +217,7 @@ class SerialExecutor(Executor):
         self, round_idx: int, client_ids: Sequence[int], payloads: dict[str, Any]
     ) -> list[ClientMetrics]:
         rows: list[ClientMetrics] = []
-        for chunk in _batches(client_ids, self.spec.engine.clients_per_call):
+        for chunk in batches(client_ids, self.spec.engine.clients_per_call):
             states = [self.states.get(c) for c in chunk]
             rows += self.runner.evaluate(round_idx, chunk, payloads, states)
             self._report("eval", len(rows), len(client_ids))

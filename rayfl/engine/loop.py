@@ -17,58 +17,37 @@ import inspect
 import logging
 import os
 import time
-from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
-from rayfl.engine.background import Background
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored, client_templates
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
-from rayfl.engine.early import EarlyRay
 from rayfl.engine.executor import Executor, SerialExecutor
 from rayfl.engine.metrics import (
+    SCORE_KEYS,
     at_best_val,
-    ci95,
     per_client_rows,
     reached_targets,
-    weighted_mean,
+    summarize_clients,
 )
+from rayfl.engine.ray_executor import RayExecutor
 from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
+from rayfl.errors import UserError
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
 from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
-
-# What a client's evaluation row keeps while its deployed model is unchanged: the model's score,
-# not the algorithm's diagnostics against the payload it was scored with (`_evaluate_deployed`).
-SCORE_KEYS = frozenset(
-    {
-        "client",
-        "arch",
-        "acc",
-        "loss",
-        "num_test",
-        "val_acc",
-        "val_loss",
-        "num_val",
-        "baseline_acc",
-        "control_acc",
-    }
-)
 
 
 @dataclass
@@ -80,6 +59,7 @@ class RunResult:
     tracker_run_id: str | None = None
     # one row per client and evaluated round (`client_rows`): written as clients.parquet
     clients: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None  # what ended a FAILED run (`error_text`)
 
     @property
     def final(self) -> dict[str, float]:
@@ -90,6 +70,16 @@ class RunResult:
             out.update(row)
         out.update(at_best_val(self.history))
         return out
+
+
+def error_text(exc: BaseException) -> str:
+    """One line naming what ended a run: the error's type and the first line of its message
+    (a user error raised inside a Ray actor is named as itself)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UserError):
+        exc = cause
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def partition_options(cfg: RunConfig) -> dict[str, Any]:
@@ -140,115 +130,25 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
     )
 
 
-def summarize_clients(
-    rows: list[ClientMetrics],
-    evaluated: list[ClientMetrics] | None = None,
-    client_domain: Sequence[str] | None = None,
-) -> dict[str, float]:
-    """Personalized accuracy (sample-weighted, mean, std, worst 10%, 95% confidence interval
-    over clients), per architecture, per domain; the test loss; the validation accuracy and loss
-    when the clients have a validation split; the algorithm's extras.
-
-    `rows` are the participants' fit rows (training metrics, and accuracy under `after_fit`);
-    `evaluated`, when given, are the evaluation phase's rows (`deployed`) and the only ones scored;
-    `client_domain`, when given, each client's domain (`Federation.client_domain`).
-    """
-    out: dict[str, float] = {}
-    # completion order varies with workers; summing in client order keeps every bit the same
-    rows = sorted(rows, key=lambda r: r["client"])
-    if evaluated is None:
-        scored = [r for r in rows if "acc" in r]
-    else:
-        scored = sorted(evaluated, key=lambda r: r["client"])
-        out["eval/clients"] = float(len(scored))
-    if scored:
-        acc = np.array([r["acc"] for r in scored])
-        n = np.array([r["num_test"] for r in scored])
-        out["personal/acc"] = float((acc * n).sum() / n.sum())
-        out["personal/acc_mean"] = float(acc.mean())
-        out["personal/acc_std"] = float(acc.std())
-        k = max(1, int(np.ceil(0.1 * len(acc))))
-        out["personal/acc_worst10"] = float(np.sort(acc)[:k].mean())
-        out["personal/acc_ci95"] = ci95(acc)
-        if all("loss" in r for r in scored):
-            out["personal/loss"] = weighted_mean(scored, "loss", "num_test")
-        if all("val_acc" in r for r in scored):
-            out["personal/val_acc"] = weighted_mean(scored, "val_acc", "num_val")
-            out["personal/val_loss"] = weighted_mean(scored, "val_loss", "num_val")
-        by_arch: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for r in scored:
-            by_arch[r["arch"]].append((r["acc"], r["num_test"]))
-        for arch, pairs in sorted(by_arch.items()):
-            a, w = np.array(pairs).T
-            out[f"personal/acc/arch={arch}"] = float((a * w).sum() / w.sum())
-        if client_domain is not None:
-            out.update(_domain_summary(scored, client_domain))
-        if all("baseline_acc" in r for r in scored):
-            out.update(_baseline_summary(scored, out["personal/acc"]))
-        if all("control_acc" in r for r in scored):
-            out.update(_baseline_summary(scored, out["personal/acc"], "control_acc"))
-        skip = set(SCORE_KEYS) | {"num_train"}
-        skip |= {"train_s", "bytes_up"}
-        extras = {k for r in scored for k in r if k not in skip and not k.startswith("train/")}
-        for key in sorted(extras):
-            vals = [(r[key], r["num_test"]) for r in scored if key in r]
-            v, w = np.array(vals).T
-            out[key] = float((v * w).sum() / w.sum())
-    train_keys = sorted({k for r in rows for k in r if k.startswith("train/")})
-    for key in train_keys:
-        vals = [(r[key], r["num_train"]) for r in rows if key in r]
-        v, w = np.array(vals).T
-        out[key] = float((v * w).sum() / w.sum())
-    out["time/train_s_sum"] = float(sum(r["train_s"] for r in rows))
-    return out
-
-
-def _domain_summary(scored: list[ClientMetrics], client_domain: Sequence[str]) -> dict[str, float]:
-    """`personal/acc/domain=<name>` (weighted like `personal/acc`) per domain scored, and the
-    worst of them, `personal/acc_worst_domain`."""
-    by_domain: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in scored:
-        by_domain[client_domain[int(r["client"])]].append((r["acc"], r["num_test"]))
-    out: dict[str, float] = {}
-    for name, pairs in sorted(by_domain.items()):
-        a, w = np.array(pairs).T
-        out[f"personal/acc/domain={name}"] = float((a * w).sum() / w.sum())
-    out["personal/acc_worst_domain"] = min(out.values())
-    return out
-
-
-def _baseline_summary(
-    scored: list[ClientMetrics], personal_acc: float, key: str = "baseline_acc"
-) -> dict[str, float]:
-    """A reference's accuracy, weighted exactly like `personal/acc`, per architecture, and the
-    gain over it in points: the local-only shadows' (`baseline_acc`: equals what
-    `algorithm.name=local` reports) or the no-federation controls' (`control_acc`)."""
-    name, gain = (
-        ("local_acc", "gain_points")
-        if key == "baseline_acc"
-        else ("control_acc", "federated_gain_points")
-    )
-    b = np.array([r[key] for r in scored])
-    n = np.array([r["num_test"] for r in scored])
-    ref = float((b * n).sum() / n.sum())
-    out = {f"baseline/{name}": ref, f"baseline/{gain}": 100.0 * (personal_acc - ref)}
-    for arch in sorted({r["arch"] for r in scored}):
-        mask = np.array([r["arch"] == arch for r in scored])
-        out[f"baseline/{name}/arch={arch}"] = float((b[mask] * n[mask]).sum() / n[mask].sum())
-    return out
-
-
-def make_executor(spec: RunSpec, federation: Federation) -> Executor:
-    """The executor `engine.executor` names (Ray's imported only when it is chosen)."""
+def make_executor(
+    spec: RunSpec,
+    federation: Federation,
+    clock: StartupClock | None = None,
+    spill_dir: str | Path | None = None,
+) -> Executor:
+    """The executor `engine.executor` names, ready to run rounds (`RayExecutor`: `spill_dir` is
+    where a Ray it starts spills objects, unless `engine.spill_dir` says otherwise)."""
     if spec.engine.executor == "serial":
-        return SerialExecutor(spec, federation)
-    from rayfl.engine.ray_executor import RayExecutor
-
-    return RayExecutor(spec, federation)
+        with (clock or StartupClock()).phase("executor"):
+            return SerialExecutor(spec, federation)
+    return RayExecutor(spec, federation, clock, spill_dir)
 
 
 class Simulation:
-    """One federated simulation: data, executor and the round loop, driven by callbacks."""
+    """One federated simulation: data, executor and the round loop, driven by callbacks.
+
+    Building one checks the config against the algorithm and loads the data; `run` starts the
+    executor (Ray, when it runs on Ray), runs the rounds and shuts the executor down."""
 
     def __init__(
         self,
@@ -257,54 +157,43 @@ class Simulation:
         callbacks: list[Callback] | None = None,
         *,
         clock: StartupClock | None = None,
-        early: EarlyRay | None = None,
     ) -> None:
-        """`early`: Ray already starting for this run (`rayfl.launch.simulate` starts it before
-        the engine's imports, on `clock`); the simulation owns it from here."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.callbacks = list(callbacks or [])
         self.clock = clock or StartupClock()
-        self._early = early
-        try:
-            self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-            family = family_from_config(cfg.model.family, cfg.model.architectures)
-            self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
-            self.per_round = clients_per_round(cfg)
-            check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
-            check_arch_names(cfg, self.archs)
-            self.clock.mark("imports")
-            # Ray and the actors' processes start while the data loads (rayfl.engine.startup).
-            if self._early is None and cfg.engine.executor == "ray":
-                spill = spill_dir(self.run_dir)
-                self._early = EarlyRay(cfg.engine, self.per_round, self.clock, spill_dir=spill)
-            with self.clock.phase("data_load"):
-                self.federation = prepare_federation(cfg)
-            dataset = self.federation.dataset
-            dims = (
-                family.feature_dims(dataset.in_shape, dataset.num_classes)
-                if self.algo.needs_common_feature_dim
-                else None
+        self.started = time.time()  # this piece of the run: a resume adds its earlier pieces
+        self.algo: Algorithm = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+        family = family_from_config(cfg.model.family, cfg.model.architectures)
+        self.archs = family.assign(cfg.data.num_clients, cfg.model.proportions)
+        self.per_round = clients_per_round(cfg)
+        check_algorithm_fits(self.algo, cfg, self.archs)  # the checks that need no data, first
+        check_arch_names(cfg, self.archs)
+        self.clock.mark("imports")
+        with self.clock.phase("data_load"):
+            self.federation = prepare_federation(cfg)
+        dataset = self.federation.dataset
+        dims = (
+            family.feature_dims(dataset.in_shape, dataset.num_classes)
+            if self.algo.needs_common_feature_dim
+            else None
+        )
+        check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
+        self.spec = make_spec(cfg, self.archs, self.federation)
+        self.devices = (
+            Devices(
+                cfg,
+                self.archs,
+                [len(c.train) for c in self.federation.clients],
+                dataset.in_shape,
+                dataset.num_classes,
             )
-            check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
-            self.spec = make_spec(cfg, self.archs, self.federation)
-            self.devices = (
-                Devices(
-                    cfg,
-                    self.archs,
-                    [len(c.train) for c in self.federation.clients],
-                    dataset.in_shape,
-                    dataset.num_classes,
-                )
-                if cfg.devices.enabled
-                else None
-            )
-        except BaseException:
-            if self._early is not None:
-                self._early.cancel()
-            raise
+            if cfg.devices.enabled
+            else None
+        )
         self.result = RunResult(cfg)
         self.start_round = 1
+        self.wall_before = 0.0  # the wall time of the pieces before a resume
         self.last_clients: list[int] = []
         self.executor: Executor | None = None
         self._pending: _Pending | None = None
@@ -312,17 +201,21 @@ class Simulation:
         # client -> (digest of the payload it was scored with, its evaluation row)
         self._scores: dict[int, tuple[str, ClientMetrics]] = {}
 
+    def wall_s(self) -> float:
+        """Wall time of the run so far, summed over its pieces when it was resumed."""
+        return self.wall_before + time.time() - self.started
+
     def run(self) -> RunResult:
+        """Run the rounds. The result's `status` is FINISHED, KILLED (Ctrl-C, re-raised) or
+        FAILED (the error is re-raised; its text is the result's `error`); the callbacks' end
+        hooks run in every case, then the executor shuts down."""
         cfg = self.cfg
         status = "FAILED"
         comm = {"up": 0.0, "down": 0.0}
         try:
-            if self._early is not None:
-                early, self._early = self._early, None
-                self.executor = early.finish(self.spec, self.federation)
-            else:
-                with self.clock.phase("executor"):
-                    self.executor = make_executor(self.spec, self.federation)
+            self.executor = make_executor(
+                self.spec, self.federation, self.clock, spill_dir(self.run_dir)
+            )
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:
@@ -342,33 +235,24 @@ class Simulation:
         except KeyboardInterrupt:
             status = "KILLED"
             raise
+        except BaseException as exc:
+            self.result.error = error_text(exc)
+            raise
         finally:
-            if self._early is not None:  # failed before the executor took over
-                self._early.cancel()
             if status != "FINISHED" and self._pending is not None:
                 try:  # the last finished round still gets its row
                     self._finish_pending()
                 except Exception:
                     log.exception("the last round's evaluation failed")
             self.result.status = status
-            # Ray's shutdown (~1.3 s) mostly waits for its processes: the callbacks write meanwhile
-            closing = None
-            if self.executor is not None:
-                closing = Background(self.executor.close, name="rayfl-close")
             for cb in self.callbacks:
                 try:
                     cb.on_run_end(self, status)
                 except Exception:  # a failing callback must not hide the run's own error
                     log.exception("callback %s failed at the end of the run", type(cb).__name__)
-            if closing is not None:
-                closing.result()
+            if self.executor is not None:
+                self.executor.close()
         return self.result
-
-    def cancel(self) -> None:
-        """Stop what the simulation started before `run` (Ray, when it was starting)."""
-        if self._early is not None:
-            early, self._early = self._early, None
-            early.cancel()
 
     def restore(self, restored: Restored) -> None:
         """Continue after a checkpoint: server and client states, history, next round."""
@@ -380,6 +264,8 @@ class Simulation:
             self.executor.load_client_state(cid, state)
         self.result.history = list(restored.history)
         self.start_round = restored.round + 1
+        if restored.history:
+            self.wall_before = float(restored.history[-1].get("time/wall_s", 0.0))
         log.info("resumed after round %d", restored.round)
 
     def _sample(self, rnd: int) -> list[int]:
@@ -543,6 +429,7 @@ class Simulation:
         if pending.handle is not None:
             pending.row["time/eval_wait_s"] = time.perf_counter() - wait
         pending.row.update(reached_targets(self.cfg.eval.targets, pending.row, self.result.history))
+        pending.row["time/wall_s"] = self.wall_s()
         self.result.history.append(pending.row)
         self.result.clients += per_client_rows(self.federation, pending.round, pending.scored)
         self.last_client_rows = pending.client_rows

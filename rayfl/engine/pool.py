@@ -1,9 +1,5 @@
 """The client workers' actors: how many a run gets (`plan_workers`), their class (`ClientWorker`)
 and their start (`start_workers`).
-
-Importing this module imports Ray and nothing heavier (no torch): the thread that starts a
-run's private Ray (`rayfl.engine.early.EarlyRay`) starts the actors as soon as Ray is up, so
-their processes import torch while the driver imports it too, not after.
 """
 
 from __future__ import annotations
@@ -42,8 +38,8 @@ class ClientWorker:
     runner: ClientRunner
 
     def __init__(self) -> None:
-        # Started without spec and data, the process imports torch while the driver imports it
-        # and loads the data; the first call then sets it up (rayfl.engine.early).
+        # Started without spec and data, the process imports torch while the driver puts the
+        # dataset; the first call then sets it up.
         import rayfl.engine.worker  # noqa: F401
 
     def setup(self, setup: list[Any]) -> None:

@@ -14,18 +14,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext, suppress
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import EngineConfig, server_in_driver
+from rayfl.config import server_in_driver
 from rayfl.data.federated import Federation
-from rayfl.engine.background import Background
-from rayfl.engine.executor import Executor, StateView, longest_first
-from rayfl.engine.pool import WorkerPool, arch_shapes, start_workers
+from rayfl.engine.executor import Executor, StateView, batches, longest_first
+from rayfl.engine.pool import arch_shapes, start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray_for_run
@@ -50,117 +51,88 @@ def _value_or_get(handle: Any) -> Any:
     return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
 
 
-def _batches(ids: Sequence[int], size: int) -> list[list[int]]:
-    return [list(ids[i : i + size]) for i in range(0, len(ids), size)]
-
-
 class RayExecutor(Executor):
     """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
-    with an evaluation actor for its pipelined scoring. Built in two steps so that start-up
-    overlaps (`rayfl.engine.early.EarlyRay`): `launch` (Ray, actor processes; needs no data) and
-    `attach` (dataset put once, spec and data to every actor).
+    with an evaluation actor for its pipelined scoring.
 
-    In the driver, the server costs no process of its own (on a 2-core machine a third process
-    importing torch delays the workers' start by ~1 s), its broadcast is put once per round, its
-    replies are read zero-copy, and its models are scored in a thread (`Background`) while the
-    clients train or evaluate. It cannot die on its own, so it has no restart path."""
+    Built in one step: Ray started (unless this process is connected to one already; a Ray it
+    started it also stops, in `close`), the workers' and the server's actors created, the
+    dataset put once (every actor maps it zero-copy) and every actor set up. `clock` records the
+    start-up phases; `spill_dir`: where a Ray started here spills objects when
+    `engine.spill_dir` is not set (the run's own folder).
 
-    def __init__(self, spec: RunSpec, federation: Federation) -> None:
-        self.launch(spec.engine, spec.per_round)
-        self.attach(spec, federation)
+    In the driver, the server costs no process of its own, its broadcast is put once per
+    round, its replies are read zero-copy, and its models are scored in a thread of this process
+    while the clients train or evaluate. It cannot die on its own, so it has no restart path."""
 
-    def launch(
+    def __init__(
         self,
-        e: EngineConfig,
-        per_round: int,
+        spec: RunSpec,
+        federation: Federation,
         clock: StartupClock | None = None,
-        started_ray: bool | None = None,
-        pool: WorkerPool | None = None,
+        spill_dir: str | Path | None = None,
     ) -> None:
-        """Start Ray (unless it runs; `started_ray`: the caller did, True if it started it) and
-        the actors' processes, which import torch meanwhile (`pool`: the workers' actors, when
-        the caller started them: `rayfl.engine.early.EarlyRay`; they are this executor's
-        from here, closed with it)."""
-        self._started_ray = False
-        self.after_shutdown: Callable[[], None] = getattr(self, "after_shutdown", lambda: None)
-        self.workers: list[Any] = list(pool.actors) if pool is not None else []
+        e = spec.engine
+        self.spec = spec
+        self.workers: list[Any] = []
+        self.num_workers = 0
+        self._worker_shapes: list[Any] = []
+        self.placements: dict[int, int] = {}  # client -> index of the worker that last ran it
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
-        self._server_ready: Any = None
         self.evaluator: Any = None
+        self._server_ready: Any = None
         self._final_scoring: _Scoring | None = None
+        self._scorer: ThreadPoolExecutor | None = None  # scores a driver server's models
         self.states: dict[int, ray.ObjectRef] = {}
         # The server state after the last finished server step, as an object the driver owns
         # (it outlives the server actor): a restarted server starts from it. None: a fresh server
         # is identical (it is built from the seed).
         self._server_state: Any = None
-        if started_ray is None:
-            with _phase(clock, "ray_start"):
-                started_ray = init_ray_for_run(e)
-        self._started_ray = started_ray
-        self._clock = clock
+        self._clock = clock = clock or StartupClock()
+        with clock.phase("ray_start"):
+            self._started_ray = init_ray_for_run(e, spill_dir)
         try:
-            with _phase(clock if pool is None else None, "actors_launch"):
-                if pool is None and not e.resources_by_arch:  # else `attach` starts them
-                    pool = start_workers(e, per_round)
-                self._pool(pool)
+            with clock.phase("actors_launch"):
+                pool = start_workers(e, spec.per_round, spec.archs)
+                self.workers, self._worker_shapes = list(pool.actors), list(pool.shapes)
+                self.num_workers = len(self.workers)
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
-                if not server_in_driver(e):  # else `attach` builds `local`
-                    self.server = self._server_cls.remote()
-                # No CPU of its own, like the server: it fills the time workers spend off the CPU.
-                # Started when first needed (`server_step_deferred`), not in the start-up. It
-                # holds no state: Ray restarts it and re-runs its call when it dies.
+                # No CPU of its own, like the server: it fills the time workers spend off the
+                # CPU. Started when first needed (`server_step_deferred`). It holds no state:
+                # Ray restarts it and re-runs its call when it dies.
                 self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
                     num_cpus=0, num_gpus=0, max_restarts=-1, max_task_retries=e.max_retries
                 )
-        except BaseException:
-            self.close()
-            raise
-
-    def attach(
-        self, spec: RunSpec, federation: Federation, clock: StartupClock | None = None
-    ) -> None:
-        """Put the dataset once (every actor maps it zero-copy) and set every actor up."""
-        self.spec = spec
-        self._clock = clock or self._clock
-        if not self.workers:  # per-architecture pools: started once the architectures are known
-            with _phase(clock, "actors_launch"):
-                self._pool(start_workers(spec.engine, spec.per_round, spec.archs))
-        self._shape_of = arch_shapes(spec.engine, spec.archs)  # client -> its pool's shape
-        self._train_sizes = [len(c.train) for c in federation.clients]
-        self._test_sizes = [len(c.test) for c in federation.clients]
-        try:
-            with _phase(clock, "dataset_put"):
+            self._shape_of = arch_shapes(e, spec.archs)  # client -> its pool's shape
+            self._train_sizes = [len(c.train) for c in federation.clients]
+            self._test_sizes = [len(c.test) for c in federation.clients]
+            with clock.phase("dataset_put"):
                 self._federation_ref = ray.put(federation)
             # every worker call carries these (a restarted worker sets itself up from them)
             self._setup = [ray.put(spec), self._federation_ref]
             ready = [w.setup.remote(self._setup) for w in self.workers]
-            if self.server is not None:
-                self._server_ready = self.server.setup.remote(spec, self._federation_ref)
-                ready.append(self._server_ready)
-            else:  # built while the workers' processes import torch
+            if server_in_driver(e):
                 # The driver is no actor: Ray assigns it no GPU ids, so it takes the device as
                 # the serial executor does (engine.device=cuda: the visible GPU).
                 self.local = ServerRunner(spec, federation, resolve_device(spec.device))
+            else:
+                self.server = self._server_cls.remote()
+                self._server_ready = self.server.setup.remote(spec, self._federation_ref)
+                ready.append(self._server_ready)
             self._await_ready(ready)
         except BaseException:
             self.close()
             raise
         log.info("Ray executor: %d workers", self.num_workers)
 
-    def _pool(self, pool: WorkerPool | None) -> None:
-        self.workers = list(pool.actors) if pool is not None else []
-        self.num_workers = len(self.workers)
-        self._worker_shapes = list(pool.shapes) if pool is not None else []
-        self.placements: dict[int, int] = {}  # client -> index of the worker that last ran it
-
     def _await_ready(self, ready: list[Any]) -> None:
         """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
         as itself; a server actor that died is replaced; a start past
         `engine.startup_timeout_s` is a UserError."""
-        with _phase(self._clock, "actors_ready"):
+        with self._clock.phase("actors_ready"):
             deadline = time.monotonic() + self.spec.engine.startup_timeout_s
             for ref in ready:
                 with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -312,7 +284,7 @@ class RayExecutor(Executor):
         for c in order:
             by_shape.setdefault(self._shape_of[c], []).append(c)
         size = self.spec.engine.clients_per_call
-        return [b for ids in by_shape.values() for b in _batches(ids, size)]
+        return [b for ids in by_shape.values() for b in batches(ids, size)]
 
     def _dispatch(
         self,
@@ -433,17 +405,19 @@ class RayExecutor(Executor):
         else:
             scoring.ref = self.server.score.remote(scoring.models)
 
-    def _score_in_driver(self, models: Any) -> Background:
+    def _score_in_driver(self, models: Any) -> Future[dict[str, float]]:
         """The server's models scored by a thread of this process (the server runs here)."""
         assert self.local is not None
-        return Background(self.local.score, models, name="rayfl-score")
+        if self._scorer is None:
+            self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayfl-score")
+        return self._scorer.submit(self.local.score, models)
 
     def collect_eval(self, handle: Any) -> dict[str, float]:
         if handle is None:
             return {}
         if handle.ref is None:  # the last round's, with no broadcast after it
             self._start_final_scoring()
-        if isinstance(handle.ref, Background):
+        if isinstance(handle.ref, Future):
             return handle.ref.result()
         try:
             return ray_get(handle.ref)  # the evaluator's call is re-run by Ray if it died
@@ -490,16 +464,17 @@ class RayExecutor(Executor):
         self.states[client_id] = ray.put(state)
 
     def close(self) -> None:
-        actors = [*getattr(self, "workers", []), getattr(self, "server", None)]
-        for actor in [*actors, getattr(self, "evaluator", None)]:
+        for actor in [*self.workers, self.server, self.evaluator]:
             if actor is not None:
                 with suppress(Exception):
                     ray.kill(actor)
         self.states = {}
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=True)
+            self._scorer = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-            self.after_shutdown()
 
 
 @dataclass
@@ -507,8 +482,4 @@ class _Scoring:
     """A deferred evaluation of the server's models: `ref` once submitted."""
 
     models: Any  # the models to score: an ObjectRef, or the modules (a server in the driver)
-    ref: Any = None  # ObjectRef of the score, or the `Background` scoring it in the driver
-
-
-def _phase(clock: StartupClock | None, name: str) -> AbstractContextManager[None]:
-    return nullcontext() if clock is None else clock.phase(name)
+    ref: Any = None  # ObjectRef of the score, or the `Future` of the driver's thread scoring it

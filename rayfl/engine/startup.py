@@ -1,15 +1,14 @@
 """A run's start-up clock, and Ray's start through its public `ray.init` options only.
 
-Phases (seconds): `imports` (from the process start to the simulation: interpreter, imports,
-config), `ray_start`, `actors_launch` (asking Ray for the actors), `data_load`, `dataset_put`,
-`actors_ready`, and `first_round_at` (from the process start to the first round). They are
-logged at INFO and added to the first round's row as `time/startup/<phase>_s`. What overlaps
-what is `rayfl.engine.early.EarlyRay`'s.
+Phases (seconds), one after another: `imports` (from the process start to the simulation:
+interpreter, imports, config), `data_load`, then `executor` (serial) or `ray_start`,
+`actors_launch` (asking Ray for the actors), `dataset_put` and `actors_ready` (Ray), and
+`first_round_at` (from the process start to the first round). They are logged at INFO and added
+to the first round's row as `time/startup/<phase>_s`.
 
 Ray is started with its supported options (`ray.init`'s documented arguments) and stopped
 with `ray.shutdown()`; nothing of Ray's is patched and none of its processes is signalled by
-rayfl. What that gives up against the earlier tuned start is in docs/performance.md, "Engine
-options and what they cost".
+rayfl.
 """
 
 from __future__ import annotations
@@ -65,10 +64,9 @@ class StartupClock:
 
 class _DropRayNotes(logging.Filter):
     """Drops Ray's start-up notes that say nothing to a rayfl user: that `ray.init` off the main
-    thread sets no SIGTERM handler (rayfl puts the caller's back), and that the private local
-    cluster it starts has token authentication on (it is on; the cluster lives as long as the
-    run). A config error found while Ray starts must stay the only line on stderr. Matched by
-    text, on the handlers Ray's records reach, so no Ray module is named."""
+    thread sets no SIGTERM handler, and that the private local cluster it starts has token
+    authentication on (it is on; the cluster lives as long as the run). Matched by text, on the
+    handlers Ray's records reach, so no Ray module is named."""
 
     def __init__(self, *fragments: str) -> None:
         super().__init__()
@@ -138,7 +136,7 @@ def init_ray(
         kwargs["runtime_env"] = runtime_env()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
-    notes = [] if main_thread else ["not the main thread"]  # `EarlyRay` restores the handler
+    notes = [] if main_thread else ["not the main thread"]
     if not address:
         notes.append("Token authentication is enabled for this Ray cluster")
     quiet = _DropRayNotes(*notes)

@@ -30,6 +30,10 @@ from rayfl.safefile import write_with
 logger = logging.getLogger(__name__)
 
 ARCH_PREFIX = "personal/acc/arch="
+# a run directory's plots (`plot_run`)
+LABELS = "label_distribution.png"
+CURVES = "learning_curves.png"
+PER_ARCH = "per_architecture.png"
 
 # Reports show figures at most this wide (inches at `_save`'s 120 dpi: 1080 px, inside the HTML
 # page's 1100 px column), so a browser never scales them down and 10 pt text stays ~17 px.
@@ -468,3 +472,22 @@ def plot_class_counts(counts: Any, dataset: str, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_with(path, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight"))
+
+
+def plot_run(
+    folder: str | Path,
+    history: Sequence[Mapping[str, Any]],
+    class_counts: Any,
+    dataset: str,
+    title: str,
+) -> list[Path]:
+    """A run directory's plots, written into `folder`: the clients' label distribution
+    (`class_counts`: clients x classes), and once a round is in `history` the learning curves
+    and, when the clients have several architectures, the accuracy per architecture."""
+    folder = Path(folder)
+    paths = [plot_class_counts(class_counts, dataset, folder / LABELS)]
+    if history:
+        paths.append(plot_learning_curves(history, folder / CURVES, title=title))
+        if any(k.startswith(ARCH_PREFIX) for k in history[-1]):
+            paths.append(plot_per_architecture(history, folder / PER_ARCH))
+    return paths

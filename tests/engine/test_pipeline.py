@@ -147,13 +147,13 @@ def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
     from rayfl.engine.ray_executor import RayExecutor
 
     calls: list[str] = []
-    attach = RayExecutor.attach
+    init = RayExecutor.__init__
 
-    def recording_attach(self, *a, **kw):
-        attach(self, *a, **kw)
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
         self.server = _Calls(self.server, calls)
 
-    monkeypatch.setattr(RayExecutor, "attach", recording_attach)
+    monkeypatch.setattr(RayExecutor, "__init__", recording_init)
     record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=1", "engine.executor=ray", "engine.num_workers=2"]
     history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true", "engine.server_in=actor"])
@@ -171,13 +171,13 @@ def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients
     from rayfl.engine import ray_executor as executor_mod
 
     calls: list[str] = []
+    score_in_driver = executor_mod.RayExecutor._score_in_driver
 
-    class RecordingBackground(executor_mod.Background):
-        def __init__(self, fn, *a, **kw):
-            calls.append(kw.get("name", "?"))
-            super().__init__(fn, *a, **kw)
+    def recording(self, models):
+        calls.append("rayfl-score")
+        return score_in_driver(self, models)
 
-    monkeypatch.setattr(executor_mod, "Background", RecordingBackground)
+    monkeypatch.setattr(executor_mod.RayExecutor, "_score_in_driver", recording)
     record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=2", "engine.executor=ray", "engine.num_workers=2"]
     sim = Simulation(build_config(synthetic_raw, [*base, "engine.server_in=driver"]), "/tmp/unused")

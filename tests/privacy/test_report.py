@@ -49,10 +49,3 @@ def test_report_table_and_plot(tmp_path, capsys):
     assert table[3] == "| sa | SecAgg | 0.1 | - | inf | 0.6300 |"
     assert table[4] == "| t1 | DP (clip 1.0) | 0.1 | 0.5 | 40.0000 | 0.6100 |"
     assert len(table) == 6
-
-
-def test_protocol_bench_counts_the_bytes_of_one_upload():
-    from rayfl.privacy.bench import VARIANTS, measure
-
-    assert measure(VARIANTS["dp"], clients=3, size=50)["bytes_up"] == 4 * 50  # float32
-    assert measure(VARIANTS["secagg"], clients=3, size=50)["bytes_up"] == 8 * 51  # uint64 + weight

@@ -1,6 +1,6 @@
 """The other folders rayfl reads back are untrusted input too (docs/security.md): the privacy
-report's trial run directories (`summary.json`), the benchmark's folder (`bench.json`,
-`share<k>.json`, `bench_config.yaml`) and a sweep's folder (`sweep.json`). A symlink, a FIFO,
+report's trial run directories (`summary.json`) and a sweep's folder (`sweep.json`); the
+benchmark's folder: tests/test_bench.py. A symlink, a FIFO,
 an oversized or a deeply nested file there is refused in one line, never followed or waited on,
 and nothing outside the folder changes.
 """
@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rayfl import bench, bench_floors, cli
-from rayfl.errors import UserError
+from rayfl import cli
 from rayfl.privacy import report as privacy_report
 from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
 
@@ -105,89 +103,6 @@ def test_privacy_report_refuses_a_summary_without_its_fields_in_one_line(tmp_pat
     code = privacy_report.main([str(tmp_path / "trials"), "--out", str(tmp_path / "p.png")])
     line = _one_line(capsys.readouterr().err)
     assert code == 2 and "not a summary rayfl wrote" in line
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-
-class _FinishedChild:
-    """A child process that already exited 0 (the benchmark's children are not the point)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.pid = os.getpid()
-        self.returncode = 0
-
-    def communicate(self) -> tuple[str, None]:
-        return "", None
-
-
-@pytest.fixture
-def no_children(monkeypatch):
-    fake = types.SimpleNamespace(Popen=_FinishedChild, PIPE=-1, STDOUT=-2)
-    monkeypatch.setattr(bench_floors, "subprocess", fake)  # every child `rayfl bench` starts
-
-
-FLOOR_REPORTS = {  # a floor's runner, and the report its children write
-    "floor": (bench_floors.run_floor, "share0.json"),
-    "rayfloor": (bench_floors.run_ray_floor, "rayfloor.json"),
-}
-
-
-@pytest.mark.parametrize("floor", FLOOR_REPORTS)
-@pytest.mark.parametrize("kind", PLANTS)
-def test_bench_refuses_an_unsafe_floor_report_in_one_line(
-    kind, floor, tmp_path, victim, synthetic_raw, no_children
-):
-    run, name = FLOOR_REPORTS[floor]
-    out = tmp_path / floor
-    out.mkdir()
-    PLANTS[kind](out / name, victim)
-    with pytest.raises(UserError) as info:
-        run(synthetic_raw, (), 1, out)
-    line = _one_line(str(info.value))
-    assert name in line and PROBLEM[kind] in line
-    assert victim.read_bytes() == VICTIM
-
-
-@pytest.mark.parametrize("kind", PLANTS)
-def test_bench_refuses_an_unsafe_variant_report_in_one_line(
-    kind, tmp_path, victim, synthetic_raw, no_children
-):
-    out = tmp_path / "variant"
-    (out / "run").mkdir(parents=True)
-    PLANTS[kind](out / "run" / "bench.json", victim)
-    with pytest.raises(UserError) as info:
-        bench.run_variant(synthetic_raw, [], out)
-    line = _one_line(str(info.value))
-    assert "bench.json" in line and PROBLEM[kind] in line
-    assert victim.read_bytes() == VICTIM
-
-
-def test_bench_says_in_one_line_when_a_variant_wrote_no_report(
-    tmp_path, synthetic_raw, no_children
-):
-    out = tmp_path / "variant"
-    (out / "run").mkdir(parents=True)  # the child exited 0 but wrote no bench.json
-    with pytest.raises(UserError) as info:
-        bench.run_variant(synthetic_raw, [], out)
-    line = _one_line(str(info.value))
-    assert "bench.json" in line and "without writing its report" in line
-
-
-def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
-    tmp_path, victim, synthetic_raw, no_children
-):
-    out = tmp_path / "variant"
-    (out / "run").mkdir(parents=True)
-    (out / "bench_config.yaml").symlink_to(victim)
-    (out / "run" / "bench.json").write_text(
-        json.dumps({"rounds": [], "store_peak_mb": 0.0, "spilled_mb": 0.0, "status": "FINISHED"})
-    )
-    report = bench.run_variant(synthetic_raw, [], out)
-    assert report["clients"] == synthetic_raw["data"]["num_clients"]
-    assert victim.read_bytes() == VICTIM
-    assert not (out / "bench_config.yaml").is_symlink()
-    assert yaml.safe_load((out / "bench_config.yaml").read_text())["seed"] == synthetic_raw["seed"]
 
 
 # ----------------------------------------------------------------------------- sweep folder

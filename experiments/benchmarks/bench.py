@@ -1,4 +1,9 @@
-"""`rayfl bench`: one fixed workload under several engine variants, end to end, side by side.
+"""rayfl's speed benchmark: one fixed workload under several engine variants, end to end, side
+by side. Not part of the installed package; run it from a checkout:
+
+    python3 experiments/benchmarks/bench.py experiments/benchmarks/throughput.yaml
+    python3 experiments/benchmarks/bench.py experiments/benchmarks/fedavg_cnn_small.yaml \
+        engine.rounds=2 --only ray --out bench-fedavg --repeat 3
 
 A benchmark file is an experiment config plus a `bench:` section:
 
@@ -9,14 +14,14 @@ A benchmark file is an experiment config plus a `bench:` section:
         ray: [engine.executor=ray]
         small_calls: [engine.executor=ray, engine.clients_per_call=1]
 
-Every variant runs as its own process (`python -m rayfl.bench --variant ...`), exactly as a user's
+Every variant runs as its own process (this script with `--variant ...`), exactly as a user's
 `rayfl run` would: its end-to-end time starts at the command and includes imports, Ray's start,
 data loading, actors, every round and the shutdown. While it runs, the driver's resident memory
 and the proportional memory (PSS) of every process it started (Ray's daemons and workers) are
 sampled; inside the run, a callback samples the shared memory in use (Ray's object store lives
 there) and the bytes spilled to disk (the run's spill folder).
 
-The compute floor and the Ray floor a variant is compared with: `rayfl.bench_floors`. Nothing
+The compute floor and the Ray floor a variant is compared with: `bench_floors.py`. Nothing
 here asserts speed: it measures and prints.
 """
 
@@ -35,7 +40,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rayfl.bench_floors import (
+from bench_floors import (  # this script's folder is on sys.path
     FLOOR,
     RAY_FLOOR,
     RUN_OVERRIDES,
@@ -50,7 +55,8 @@ from rayfl.bench_floors import (
     run_ray_floor,
     write_config,
 )
-from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml
+
+from rayfl.config import RunConfig, build_config, clients_per_round, load_config, read_yaml
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
@@ -175,12 +181,12 @@ def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[st
 
 def _variant_main(config_path: str, run_dir: str) -> None:
     """The child: `rayfl run` of the config, plus the object-store probe; writes bench.json."""
-    from rayfl.launch import load_for_run, simulate
+    from rayfl.launch import simulate
 
-    # as `rayfl run --out run_dir` does: Ray starts before the check, spilling under run_dir
-    cfg, early = load_for_run(config_path, run_dir=run_dir)
+    # as `rayfl run CONFIG --out run_dir` does: a private Ray spills under run_dir
+    cfg = load_config(config_path)
     probe = StoreProbe(cfg.engine.spill_dir or spill_dir(run_dir))
-    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe], early=early)
+    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe])
     history = result.history
     report = {
         "rounds": [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in history],
@@ -375,7 +381,38 @@ def median_repetition(reps: list[dict[str, dict[str, Any]]]) -> dict[str, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayfl.bench")
+    """The benchmark's command line; `--variant`, `--floor` and `--ray-floor` are its children."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--variant", "--floor", "--ray-floor"):
+        return _child_main(argv)
+    parser = argparse.ArgumentParser(
+        prog="python3 experiments/benchmarks/bench.py",
+        description="rayfl's engine variants on one workload, end to end, side by side",
+    )
+    parser.add_argument("config", help="a benchmark file (experiments/benchmarks/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
+    parser.add_argument("--out", help="folder for the runs and report.txt (default: a temp dir)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="VARIANT", help="only these variants (and their floors)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run floors and variants N times, alternating; report medians (noisy machines)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(run_bench(args.config, args.overrides, args.out, args.only, args.repeat))
+    except UserError as exc:
+        print(f"bench: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _child_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py (child)")
     child = parser.add_mutually_exclusive_group(required=True)
     child.add_argument("--variant", nargs=2, metavar=("CONFIG", "RUN_DIR"))
     child.add_argument("--floor", nargs=4, metavar=("CONFIG", "REPORT", "SHARE", "WORKERS"))
@@ -393,6 +430,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rayfl.launch import exit_now
-
-    exit_now(main())  # as `rayfl` ends: the floor and the variants end alike
+    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""The floors `rayfl bench` compares variants with, and what measures them (memory, reports).
+"""The floors the benchmark (`bench.py`) compares variants with, and what measures them (memory,
+reports).
 
 The compute floor of a variant with W workers: W single-thread processes without Ray, started
 together, that share the run's client trainings (every sampled client of every round, split
@@ -40,6 +41,7 @@ from rayfl.engine.startup import init_ray_for_run, spill_dir
 from rayfl.errors import UserError
 from rayfl.safefile import read_json, write_atomic
 
+BENCH = Path(__file__).resolve().with_name("bench.py")  # the children run this script
 FLOOR = "floor"
 RAY_FLOOR = "rayfloor"
 FLOOR_OVERRIDES = ["engine.executor=serial", "engine.num_threads=1", "engine.server_threads=1"]
@@ -152,7 +154,7 @@ def run_floor(
     start = time.perf_counter()
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "rayfl.bench", "--floor", str(config_path), str(path)]
+            [sys.executable, str(BENCH), "--floor", str(config_path), str(path)]
             + [str(k), str(workers)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -192,7 +194,7 @@ def run_ray_floor(
 
 
 def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
-    """`python -m rayfl.bench *args` (a variant or the Ray floor) to its exit, the memory of its
+    """`bench.py *args` (a variant or the Ray floor) to its exit, the memory of its
     process tree sampled meanwhile; returns its wall time and that memory.
 
     Raises:
@@ -200,7 +202,7 @@ def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
     """
     start = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-m", "rayfl.bench", *args],
+        [sys.executable, str(BENCH), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,10 +1,10 @@
 """The protocol's own cost, without training: bytes of one upload and seconds to protect it
 (client) and to combine a round (server), for a payload of `size` floats and `clients` clients.
 
-    python -m rayfl.privacy.bench --clients 10 --size 142000
+    python3 experiments/benchmarks/privacy_protocol.py --clients 10 --size 142000
 
-`rayfl bench experiments/benchmarks/privacy.yaml` measures the same inside whole runs. Timings
-on a shared machine say little: re-measure on a quiet one.
+`python3 experiments/benchmarks/bench.py experiments/benchmarks/privacy.yaml` measures the same
+inside whole runs. Timings on a shared machine say little: re-measure on a quiet one.
 """
 
 from __future__ import annotations
