@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +16,8 @@ from mlflow.utils.validation import _validate_metric_name, _validate_param_name
 
 from rayfl.errors import UserError
 from rayfl.tracking import make_tracker
-from rayfl.tracking.mlflow import MlflowTracker, mlflow_key, prepare_experiment
+from rayfl.tracking import mlflow as tracking_mlflow
+from rayfl.tracking.mlflow import MlflowTracker, mlflow_key, open_experiment
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]
         mp.chdir(root)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         uri = f"sqlite:///{root / 'store' / 'mlflow.db'}"
-        prepare_experiment("warmup", uri)  # creates the database once
+        open_experiment(uri, "warmup")  # creates the database once
         yield uri, root
 
 
@@ -37,7 +41,7 @@ def _tracker(store: tuple[str, Path], **kwargs: object) -> MlflowTracker:
     return MlflowTracker(experiment="tests", tracking_uri=store[0], **kwargs)  # type: ignore[arg-type]
 
 
-def test_params_are_flattened_truncated_and_config_yaml_is_complete(store, client) -> None:
+def test_params_are_flattened_cut_by_mlflow_and_config_yaml_is_complete(store, client) -> None:
     long = "x" * 7000
     config = {
         "seed": 3,
@@ -56,7 +60,7 @@ def test_params_are_flattened_truncated_and_config_yaml_is_complete(store, clien
     assert params["engine.executor.workers"] == "2"
     assert params["models.archs"] == "['cnn1', 'cnn2']"
     assert params["privacy"] == "{}"
-    assert len(params["models.notes"]) == 6000 and params["models.notes"].endswith("...")
+    assert params["models.notes"] == "x" * 6000  # MLflow cuts a value past its limit
     assert run.info.run_name == "params"
 
     local = client.download_artifacts(tracker.run_id, "config.yaml", str(store[1] / "dl1"))
@@ -148,9 +152,9 @@ def test_context_manager_marks_failed_runs(store, client) -> None:
     assert run.data.tags["algorithm"] == "pfedes"
 
 
-def test_outage_mid_run_is_buffered_and_resent(store, client, monkeypatch, caplog) -> None:
-    tracker = _tracker(store, retry_after_s=3600.0)
-    real = tracker.client.log_batch
+def test_an_outage_is_warned_once_and_then_nothing_more_is_sent(store, client, monkeypatch, caplog):
+    tracker = _tracker(store)
+    tracker.log_metrics({"personal/acc": 0.1}, step=1)
     calls = {"n": 0}
 
     def down(*args: object, **kwargs: object) -> None:
@@ -158,34 +162,39 @@ def test_outage_mid_run_is_buffered_and_resent(store, client, monkeypatch, caplo
         raise ConnectionError("tracking server unreachable")
 
     monkeypatch.setattr(tracker.client, "log_batch", down)
+    monkeypatch.setattr(tracker.client, "log_artifact", down)
     with caplog.at_level(logging.WARNING, logger="rayfl.tracking.mlflow"):
-        tracker.log_metrics({"personal/acc": 0.1}, step=1)  # fails: buffered, no exception
-        tracker.log_metrics({"personal/acc": 0.2}, step=2)  # in the cool-down: not even tried
-        tracker.log_config({"seed": 1})  # params fail too: warned, not raised
-    assert calls["n"] == 2  # one metrics attempt + one params attempt
+        tracker.log_metrics({"personal/acc": 0.2}, step=2)  # fails: warned, not raised
+        tracker.log_metrics({"personal/acc": 0.3}, step=3)  # not even tried
+        tracker.log_config({"seed": 1})
+        tracker.set_tags({"a": "b"})
+    assert calls["n"] == 1
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
-
-    monkeypatch.setattr(tracker.client, "log_batch", real)
-    tracker.retry_after_s = 0.0
-    tracker._retry_at = 0.0
-    tracker.log_metrics({"personal/acc": 0.3}, step=3)
-    tracker.close()
+    tracker.close()  # waits for step 1, sends nothing more
     hist = client.get_metric_history(tracker.run_id, "personal/acc")
-    assert sorted((m.step, m.value) for m in hist) == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in hist] == [(1, 0.1)]
 
 
-def test_buffer_is_bounded_during_an_outage(store, monkeypatch) -> None:
-    tracker = _tracker(store, retry_after_s=0.0, max_pending=3)
-    monkeypatch.setattr(
-        tracker.client, "log_batch", lambda *a, **k: (_ for _ in ()).throw(OSError("down"))
-    )
-    for step in range(5):
-        tracker.log_metrics({"x": float(step)}, step=step)
-    assert [m.step for m in tracker._pending] == [2, 3, 4]  # oldest dropped first
-    monkeypatch.undo()
-    tracker.close()
+def test_every_http_call_is_bounded_unless_the_user_chose(store, monkeypatch) -> None:
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
+    tracking_mlflow.client_for(store[0])
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10"  # MLflow's own: 120 s
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"  # the user's
+
+
+def test_a_down_server_stops_a_run_in_seconds(tmp_path, monkeypatch) -> None:
+    # nothing listens on the port: MLflow's defaults retried for minutes
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(UserError, match="cannot start an MLflow run"):
+        MlflowTracker(experiment="x", tracking_uri=f"http://127.0.0.1:{port}")
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize(
@@ -212,8 +221,8 @@ def test_mlflow_key_mapping(key: str, expected: str) -> None:
 def test_make_tracker_uses_env_uri_and_existing_experiment(store, monkeypatch) -> None:
     uri = store[0]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    exp_id = prepare_experiment("env-exp")
-    assert prepare_experiment("env-exp", uri) == exp_id  # second call finds it
+    exp_id = open_experiment(uri, "env-exp")[1]
+    assert open_experiment(uri, "env-exp")[1] == exp_id  # second call finds it
     tracker = make_tracker("mlflow", experiment="env-exp", run_name="r")
     assert isinstance(tracker, MlflowTracker)
     assert tracker.tracking_uri == uri and tracker.experiment_id == exp_id
@@ -226,7 +235,7 @@ def test_unreachable_store_and_deleted_experiment_are_user_errors(store, client)
     with pytest.raises(UserError, match="cannot start an MLflow run"):
         MlflowTracker(experiment="x", tracking_uri=f"sqlite:///{blocker}/sub/mlflow.db")
 
-    exp_id = prepare_experiment("doomed", store[0])
+    exp_id = open_experiment(store[0], "doomed")[1]
     client.delete_experiment(exp_id)
     with pytest.raises(UserError, match="restore"):
         MlflowTracker(experiment="doomed", tracking_uri=store[0])
@@ -237,8 +246,8 @@ def test_changed_param_is_refused_without_entering_outage_mode(store, client, ca
     tracker.log_config({"engine": {"rounds": 5}})
     with caplog.at_level(logging.WARNING, logger="rayfl.tracking.mlflow"):
         tracker.log_config({"engine": {"rounds": 9}})  # MLflow params are write-once
-    tracker.log_metrics({"personal/acc": 0.5}, step=1)  # sent at once: no retry cool-down
-    assert tracker._pending == []
+    tracker.log_metrics({"personal/acc": 0.5}, step=1)  # still sent: no outage
+    assert not tracker._down
     tracker.close()
     assert client.get_run(tracker.run_id).data.params["engine.rounds"] == "5"
     assert any("refused" in r.getMessage() for r in caplog.records)

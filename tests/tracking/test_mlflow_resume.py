@@ -121,3 +121,30 @@ def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
     for key in ("personal/acc", "comm/bytes_up"):
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == [1, 2, 3, 4], key
+
+
+def test_a_failed_run_ends_its_mlflow_run_failed_with_the_error(tmp_path):
+    import json
+
+    import pytest
+    from mlflow import MlflowClient
+
+    from rayfl.config import build_config
+    from rayfl.engine.callbacks import Callback
+    from rayfl.launch import simulate
+
+    class Boom(Callback):
+        def on_round_end(self, sim, round_idx, metrics):
+            raise RuntimeError("disk on fire")
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=failed"]
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        simulate(build_config(SYNTHETIC, track), out, progress=False, extra_callbacks=[Boom()])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "FAILED" and summary["error"] == "RuntimeError: disk on fire"
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("failed").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["rayfl.error"] == "RuntimeError: disk on fire"
