@@ -31,15 +31,20 @@ def simulate(
 ) -> Any:
     """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
 
-    Before any data is loaded or Ray started: the run directory is created and checked writable,
-    locked for this process (a second run on it stops with one line) and, for a resume, its
-    checkpoint is verified. A resume continues the MLflow run recorded in the directory.
-    `early`: a `rayfl.engine.early.EarlyRay` already starting Ray for this run (`rayfl run`
-    starts it before checking the config); the simulation owns it from here.
+    Before any data is loaded or Ray started: a private Ray's workers are checked to fit this
+    machine (a GPU asked of a machine without one), the run directory is created and checked
+    writable, locked for this process (a second run on it stops with one line) and, for a
+    resume, its checkpoint is verified. A resume continues the MLflow run recorded in the
+    directory.
     """
+    import ray
+
     from rayfl.engine.checkpoint import Checkpoint
     from rayfl.engine.rundir import RunLock, check_run_dir, check_writable
+    from rayfl.resources import check_local
 
+    if cfg.engine.executor == "ray" and not ray.is_initialized():
+        check_local(cfg.engine)  # a private Ray: what this machine cannot place, refused first
     run_dir = Path(run_dir)
     check_writable(run_dir)
     with RunLock(run_dir):
@@ -62,17 +67,12 @@ def _simulate_locked(
     parent_run_id: str | None,
     extra_callbacks: Sequence[Any],
 ) -> Any:
-    import ray
-
     from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
     from rayfl.engine.loop import Simulation
     from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
-    from rayfl.resources import check_local
     from rayfl.tracking import make_tracker
     from rayfl.tracking.provenance import run_name_for
 
-    if cfg.engine.executor == "ray" and not ray.is_initialized():
-        check_local(cfg.engine)  # a private Ray: what this machine cannot place, before it starts
     sim = Simulation(cfg, run_dir)
     out = RunDirectory(run_dir)
     previous = read_mlflow_run(run_dir) if resume else None
