@@ -100,6 +100,8 @@ class RayExecutor(Executor):
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
+                if not server_in_driver(e):  # its process starts while the dataset is put
+                    self.server = self._server_cls.remote()
                 # No CPU of its own, like the server: it fills the time workers spend off the
                 # CPU. Started when first needed (`server_step_deferred`). It holds no state:
                 # Ray restarts it and re-runs its call when it dies.
@@ -119,7 +121,6 @@ class RayExecutor(Executor):
                 # the serial executor does (engine.device=cuda: the visible GPU).
                 self.local = ServerRunner(spec, federation, resolve_device(spec.device))
             else:
-                self.server = self._server_cls.remote()
                 self._server_ready = self.server.setup.remote(spec, self._federation_ref)
                 ready.append(self._server_ready)
             self._await_ready(ready)

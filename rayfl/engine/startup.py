@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
+import ray
 
 from rayfl.errors import UserError
 
@@ -121,8 +122,6 @@ def init_ray(
             cluster that does not answer, or a local start that failed (Ray's "The current node
             timed out during startup", a raylet that aborted, no room in its temp dir).
     """
-    import ray
-
     from rayfl.plugins import runtime_env
 
     if ray.is_initialized():
