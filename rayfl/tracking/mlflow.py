@@ -181,9 +181,9 @@ class MlflowTracker(TrackerBase):
         self._key_origin: dict[str, str] = {}
         self._key_clash: set[str] = set()
         logger.info(
-            "MLflow run %s (%s) in experiment %r at %s",
+            "MLflow run %s (%s) in %r at %s",
             self.run_id,
-            self.run_name,
+            run.info.run_name,
             experiment,
             self.tracking_uri,
         )
@@ -194,7 +194,6 @@ class MlflowTracker(TrackerBase):
         A run still RUNNING was left so by a killed driver (the caller holds the run directory's
         lock): it is marked KILLED first, then continued; the tag ``rayfl.resumes`` counts resumes.
         """
-
         try:
             run = self.client.get_run(run_id)
         except MlflowException as exc:
@@ -223,7 +222,6 @@ class MlflowTracker(TrackerBase):
         """``call()`` unless the server is down; a failure is warned about once, and then
         nothing more is sent. A value MLflow refuses (``INVALID_PARAMETER_VALUE``, e.g. a
         changed param of a resumed run) is warned about and is no outage."""
-
         if self._down:
             return None
         try:
@@ -286,7 +284,6 @@ class MlflowTracker(TrackerBase):
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step`` through MLflow's asynchronous batching; non-numeric
         values are skipped with a warning."""
-
         if self._closed or self._down:
             return
         now_ms = int(time.time() * 1000)
