@@ -302,6 +302,18 @@ def test_protocol_bench_counts_the_bytes_of_one_upload():
     assert measure(variants["secagg"], clients=3, size=50)["bytes_up"] == 8 * 51  # uint64 + weight
 
 
+
+def test_rayfl_validates_a_benchmark_as_its_base_run_and_run_names_the_driver(tmp_path, capsys):
+    from rayfl.cli import main
+
+    path = bench_file(tmp_path, {"variants": {"serial": []}})
+    assert main(["validate", str(path)]) == 0
+    assert "ok (benchmark: pfedes on synthetic" in capsys.readouterr().out
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a benchmark" in err and "python3 experiments/benchmarks/bench.py" in err
+
+
 # ------------------------------------------------------------- the folder, as untrusted input
 
 VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'

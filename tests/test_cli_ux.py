@@ -27,7 +27,7 @@ def test_split_overrides_keeps_files_with_equals(tmp_path):
     assert split_overrides([str(odd), "seed=1", "f.yaml"]) == ([str(odd), "f.yaml"], ["seed=1"])
 
 
-@pytest.mark.parametrize("command", ["run", "validate", "bench", "compare", "tune"])
+@pytest.mark.parametrize("command", ["run", "validate", "compare", "tune"])
 def test_every_command_takes_positional_overrides(command):
     args = build_parser().parse_args([command, "some.yaml", "engine.rounds=5", "seed=2"])
     overrides = args.overrides if command != "validate" else split_overrides(args.configs)[1]
