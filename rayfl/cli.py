@@ -341,7 +341,9 @@ def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | Non
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from rayfl.registry import ALGORITHMS, DATASETS, FAMILIES, MODELS, PARTITIONERS
+    from rayfl.algorithms import ALGORITHMS
+    from rayfl.data import DATASETS, PARTITIONERS
+    from rayfl.models import FAMILIES, MODELS
 
     if args.name == "partitioners":
         print(_partitioners_text())
@@ -370,8 +372,7 @@ def _partitioners_text() -> str:
     """`rayfl ls partitioners`: label partitioners and the feature-shift options, one line each."""
     import inspect
 
-    from rayfl.data import transforms
-    from rayfl.registry import PARTITIONERS
+    from rayfl.data import PARTITIONERS, transforms
 
     lines = ["label partitioners (data.partition.name):"]
     for name, fn in PARTITIONERS.items():

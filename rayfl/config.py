@@ -503,7 +503,7 @@ def _deepcopy(d: Any) -> Any:
 
 
 def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
-    from rayfl.registry import ALGORITHMS
+    from rayfl.algorithms import ALGORITHMS
 
     if not isinstance(data, Mapping) or "name" not in data:
         raise ConfigError("missing key algorithm.name: name an algorithm (see `rayfl ls`)")

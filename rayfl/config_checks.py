@@ -243,7 +243,7 @@ def _dotted(cfg: Any, key: str) -> Any:
 
 def check(cfg: RunConfig) -> None:
     """Cross-field checks that need no data: ranges and registry names."""
-    from rayfl.registry import DATASETS, PARTITIONERS
+    from rayfl.data import DATASETS, PARTITIONERS
     from rayfl.resources import check_ray_num_cpus
 
     d, e = cfg.data, cfg.engine

@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 import pytest
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.config import RANGES, RunConfig, build_config, parse_override
 from rayfl.errors import ConfigError
-from rayfl.registry import ALGORITHMS
 
 
 def _leaf_types(tp: Any) -> list[Any]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -36,7 +37,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fedavg import FedAvgServer
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

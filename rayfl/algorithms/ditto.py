@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -41,7 +42,6 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fedprox import proximal_term
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

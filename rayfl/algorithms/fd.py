@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -61,7 +62,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fml import check_choice
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 LOSSES = ("ce_softmax", "ce", "mse")
 

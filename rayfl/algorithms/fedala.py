@@ -42,6 +42,7 @@ from torch import nn
 from torch.func import functional_call
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -50,7 +51,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -44,7 +45,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import GroupServer, extractor, frozen
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,9 @@ from typing import Literal
 
 import torch
 
-from rayfl.algorithms.base import Algorithm, ServerData
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, ServerData
 from rayfl.algorithms.fedfd import FedFDClient, FedFDParams, FedFDServer, check_fedfd_family
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -72,7 +73,6 @@ from rayfl.algorithms.heterofl import (
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
 from rayfl.models.zoo import resnet_width
-from rayfl.registry import ALGORITHMS
 
 log = logging.getLogger(__name__)
 

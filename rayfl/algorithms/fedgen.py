@@ -48,6 +48,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -63,7 +64,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 HEAD, GEN, LABELS = "head.", "gen.", "label_counts"
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -44,7 +45,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -73,7 +74,6 @@ from rayfl.algorithms.fml import check_choice, check_shared_arch, mean_weights, 
 from rayfl.algorithms.functional import svd_compress, svd_decompress
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Batch,
     ClientContext,
@@ -65,7 +66,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import SplitModel, build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

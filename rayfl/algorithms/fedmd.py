@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -41,7 +42,6 @@ from rayfl.algorithms.base import (
     Trainer,
 )
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

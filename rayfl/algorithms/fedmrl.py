@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ClientContext,
@@ -55,7 +56,6 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fml import check_shared_arch, shared_arch
 from rayfl.errors import require
 from rayfl.models import SplitModel, build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -55,7 +56,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -25,7 +26,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayfl.algorithms.base import Algorithm, Trainer
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, Trainer
 from rayfl.algorithms.groups import GroupClient, GroupServer, frozen
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -59,7 +60,6 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fedproto import FedProtoClient
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

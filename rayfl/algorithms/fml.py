@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ClientContext,
@@ -57,8 +58,8 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
+from rayfl.models.base import MODELS
 from rayfl.models.zoo import AUXILIARY_MODELS
-from rayfl.registry import ALGORITHMS, MODELS
 
 
 def check_shared_arch(name: str | None, key: str) -> None:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -50,7 +51,6 @@ from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
 from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
 from rayfl.models.zoo import ResNet18, resnet_width
-from rayfl.registry import ALGORITHMS
 
 __all__ = [
     "HeteroFLClient",

@@ -52,6 +52,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Client,
     ClientContext,
@@ -68,7 +69,6 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
 from rayfl.models.zoo import InputProxy, ProxyExtractor
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)

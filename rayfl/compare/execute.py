@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 def preflight(suite: Suite) -> None:
     """Checks that need the dataset's shape (feature sizes), before hours of runs start."""
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.data.datasets import load_dataset
     from rayfl.models.families import family_from_config
-    from rayfl.registry import ALGORITHMS
 
     shapes: dict[str, tuple[tuple[int, ...], int]] = {}
     for run in suite.runs:

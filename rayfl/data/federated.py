@@ -17,8 +17,8 @@ import numpy as np
 
 from rayfl.data.datasets import ArrayDataset
 from rayfl.data.domains import plan_for
+from rayfl.data.partition import PARTITIONERS
 from rayfl.errors import ConfigError, suggest
-from rayfl.registry import PARTITIONERS
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:

@@ -281,8 +281,8 @@ def client_templates(spec: RunSpec) -> Callable[[int], Any]:
     built per architecture, on the CPU."""
     import torch
 
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.engine.worker import BASELINE, CONTROL, CONTROL_ACC
-    from rayfl.registry import ALGORITHMS
 
     cache: dict[str, Any] = {}
 

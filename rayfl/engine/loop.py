@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
 from rayfl.config import RunConfig, clients_per_round
+from rayfl.data import PARTITIONERS
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.background import Background
@@ -49,7 +51,6 @@ from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
-from rayfl.registry import ALGORITHMS, PARTITIONERS
 
 log = logging.getLogger(__name__)
 

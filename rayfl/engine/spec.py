@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -19,7 +20,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
-from rayfl.registry import ALGORITHMS
 
 
 @dataclass(frozen=True)
