@@ -50,12 +50,13 @@ from rayfl.bench_floors import (
     run_ray_floor,
     write_config,
 )
-from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml
+from rayfl.config import build_config, read_yaml
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
 from rayfl.resources import local_cpus, worker_capacity
 from rayfl.safefile import write_atomic
+from rayfl.schema import RunConfig, clients_per_round
 
 
 @dataclass(frozen=True)

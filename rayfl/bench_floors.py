@@ -35,10 +35,11 @@ from typing import Any
 import psutil
 import yaml
 
-from rayfl.config import RunConfig, build_config, clients_per_round, to_dict
+from rayfl.config import build_config
 from rayfl.engine.startup import init_ray_for_run, spill_dir
 from rayfl.errors import UserError
 from rayfl.safefile import read_json, write_atomic
+from rayfl.schema import RunConfig, clients_per_round, to_dict
 
 FLOOR = "floor"
 RAY_FLOOR = "rayfloor"

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from rayfl.algorithms.base import Algorithm
-from rayfl.config import RunConfig
 from rayfl.errors import ConfigError
 from rayfl.privacy import check_fits as check_privacy_fits
 from rayfl.privacy.hook import check_accounting
+from rayfl.schema import RunConfig
 
 
 def check_algorithm_fits(

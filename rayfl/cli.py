@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rayfl.config import RunConfig, load_config
+from rayfl.config import load_config
 from rayfl.errors import UserError
 from rayfl.launch import default_run_dir, exit_now, load_for_run, simulate
+from rayfl.schema import RunConfig
 from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")

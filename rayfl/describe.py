@@ -97,7 +97,7 @@ def describe_fields(cls: type, prefix: str) -> list[str]:
 def describe(name: str) -> str:
     """The keys of algorithm `name`, or of config section `name` (engine, train, data, ...)."""
     from rayfl.algorithms import ALGORITHMS
-    from rayfl.config import RunConfig
+    from rayfl.schema import RunConfig
 
     sections = {f.name for f in dataclasses.fields(RunConfig)} - {"algorithm", "name", "seed"}
     if name in sections:

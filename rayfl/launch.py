@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rayfl import plugins
-from rayfl.config import RunConfig, apply_overrides, build_config, ray_preview, read_yaml
+from rayfl.config import apply_overrides, build_config, ray_preview, read_yaml
+from rayfl.schema import RunConfig
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -109,10 +110,10 @@ def _simulate_locked(
     extra_callbacks: Sequence[Any],
     early: Any,
 ) -> Any:
-    from rayfl.config import clients_per_round
     from rayfl.engine.early import EarlyRay, ray_running
     from rayfl.engine.startup import StartupClock, spill_dir
     from rayfl.resources import check_local
+    from rayfl.schema import clients_per_round
 
     # Ray starts first, in a thread, while this thread imports the engine (torch) and loads data.
     per_round = clients_per_round(cfg)

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfl.config import TrainConfig
 from rayfl.models import build_model
 from rayfl.models.base import SplitModel
 from rayfl.registry import Registry
+from rayfl.schema import TrainConfig
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]

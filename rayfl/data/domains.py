@@ -36,9 +36,9 @@ from rayfl.errors import ConfigError, require
 from rayfl.seeding import Purpose, rng_of, seed_of, words
 
 if TYPE_CHECKING:
-    from rayfl.config import DomainsConfig
     from rayfl.data.datasets import ArrayDataset
     from rayfl.data.federated import Federation
+    from rayfl.schema import DomainsConfig
 
 logger = logging.getLogger(__name__)
 

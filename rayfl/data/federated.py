@@ -22,7 +22,7 @@ from rayfl.errors import ConfigError, suggest
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
-    from rayfl.config import DomainsConfig
+    from rayfl.schema import DomainsConfig
 
 logger = logging.getLogger(__name__)
 

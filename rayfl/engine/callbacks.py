@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rayfl.config import RunConfig, to_dict
 from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
 from rayfl.safefile import write_atomic
+from rayfl.schema import RunConfig, to_dict
 from rayfl.tables import write_table
 
 if TYPE_CHECKING:

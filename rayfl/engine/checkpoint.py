@@ -42,7 +42,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfl.config import RunConfig, to_dict
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import UserError
 from rayfl.safefile import (
@@ -56,6 +55,7 @@ from rayfl.safefile import (
     real_dir,
     unique_suffix,
 )
+from rayfl.schema import RunConfig, to_dict
 
 if TYPE_CHECKING:
     from rayfl.engine.executor import Executor

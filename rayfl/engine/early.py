@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from rayfl.engine.startup import StartupClock, init_ray_for_run
 
 if TYPE_CHECKING:
-    from rayfl.config import EngineConfig
     from rayfl.data.federated import Federation
     from rayfl.engine.ray_executor import RayExecutor
     from rayfl.engine.spec import RunSpec
+    from rayfl.schema import EngineConfig
 
 
 class EarlyRay:

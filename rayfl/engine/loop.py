@@ -28,7 +28,6 @@ import numpy as np
 from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
-from rayfl.config import RunConfig, clients_per_round
 from rayfl.data import PARTITIONERS
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
@@ -51,6 +50,7 @@ from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
+from rayfl.schema import RunConfig, clients_per_round
 
 log = logging.getLogger(__name__)
 

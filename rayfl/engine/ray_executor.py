@@ -21,7 +21,6 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import EngineConfig, server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.background import Background
 from rayfl.engine.executor import Executor, StateView, longest_first
@@ -31,6 +30,7 @@ from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray_for_run
 from rayfl.engine.worker import ClientMetrics
 from rayfl.errors import UserError
+from rayfl.schema import EngineConfig, server_in_driver
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from rayfl.safefile import (
 )
 
 if TYPE_CHECKING:
-    from rayfl.config import RunConfig
+    from rayfl.schema import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
 )
-from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
+from rayfl.schema import EngineConfig, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, Payload, Reply
-from rayfl.config import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.errors import ConfigError, UserError
 from rayfl.privacy import dp, secagg
+from rayfl.schema import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.seeding import Purpose, seed_of, words
 
 log = logging.getLogger(__name__)
