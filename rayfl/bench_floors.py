@@ -254,7 +254,7 @@ def floor_shares(
     """The run's client trainings, (round, client) for every sampled client of every round,
     split over `workers` so that each gets the same number of samples to train (largest first,
     each to the least loaded)."""
-    from rayfl.engine.sampling import sample_clients
+    from rayfl.sampling import sample_clients
 
     per_round = clients_per_round(cfg)
     jobs = [

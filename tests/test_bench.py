@@ -21,8 +21,8 @@ from rayfl.bench import (
 )
 from rayfl.bench_floors import floor_shares, ray_floor_label
 from rayfl.config import build_config
-from rayfl.engine.sampling import sample_clients
 from rayfl.errors import ConfigError, UserError
+from rayfl.sampling import sample_clients
 from tests.conftest import SYNTHETIC
 
 

@@ -42,7 +42,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfl.engine.callbacks import Callback
+from rayfl.engine.hooks import Callback
 from rayfl.errors import UserError
 from rayfl.safefile import (
     JSON_LIMIT,

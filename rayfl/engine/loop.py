@@ -32,11 +32,11 @@ from rayfl.data import PARTITIONERS
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
 from rayfl.engine.background import Background
-from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored, client_templates
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
 from rayfl.engine.early import EarlyRay
 from rayfl.engine.executor import Executor, SerialExecutor
+from rayfl.engine.hooks import Callback
 from rayfl.engine.metrics import (
     at_best_val,
     ci95,
@@ -44,12 +44,12 @@ from rayfl.engine.metrics import (
     reached_targets,
     weighted_mean,
 )
-from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
+from rayfl.sampling import sample_clients
 from rayfl.schema import RunConfig, clients_per_round
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ class PlotProcess:
 
     def send(self, job: Mapping[str, Any]) -> None:
         """One job, as strict JSON (NaN and inf as null: a missing point of a curve)."""
-        from rayfl.engine.rundir import strict_json
+        from rayfl.tables import strict_json
 
         if self._proc is None or self._proc.stdin is None:
             return

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfl import bench, bench_floors, cli
+from rayfl import bench, bench_floors, cli, privacy_report
 from rayfl.errors import UserError
-from rayfl.privacy import report as privacy_report
 from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
 
 VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
