@@ -125,6 +125,13 @@ def test_the_graph_follows_every_kind_of_import():
     assert sorted(map(sorted, named)) == [["rayfl"], ["rayfl"], ["rayfl.engine.loop"]]
 
 
+def test_the_schema_and_the_registry_know_no_domain():
+    graph = import_graph()
+    assert graph["rayfl.schema"] == set()  # the types every layer may use
+    assert graph["rayfl.registry"] == {"rayfl.errors"}  # a generic name -> object registry
+    assert graph["rayfl.yamlfile"] == set()
+
+
 def test_the_package_has_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

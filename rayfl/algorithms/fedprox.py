@@ -26,11 +26,14 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
 from rayfl.errors import require
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedProxParams:
-    mu: float = 0.01  # proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})
+    mu: float = setting(
+        0.01, "proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})"
+    )
 
     def __post_init__(self) -> None:
         require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")
