@@ -24,7 +24,6 @@ from rayfl import plugins
 from rayfl.config_checks import check
 from rayfl.errors import ConfigError, suggest
 from rayfl.schema import (  # noqa: F401 (the schema's names, re-exported for callers)
-    MAX_ROUNDS,
     AlgorithmConfig,
     DataConfig,
     DevicesConfig,
@@ -35,7 +34,6 @@ from rayfl.schema import (  # noqa: F401 (the schema's names, re-exported for ca
     ModelConfig,
     PartitionConfig,
     PrivacyConfig,
-    Range,
     Resources,
     RunConfig,
     SecAggConfig,
@@ -307,7 +305,7 @@ def _check_field(f: dataclasses.Field[Any], value: Any, key: str) -> None:
 
 
 def non_negative(values: Mapping[str, Any], prefix: str) -> None:
-    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
+    """Every number in the schema is >= 0; declared ranges and the algorithms' checks narrow it."""
     for name, value in values.items():
         if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
             raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
@@ -324,8 +322,7 @@ def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
         raise ConfigError(f"algorithm.name: expected a string, got {name!r}")
     algo = ALGORITHMS.get(name, key="algorithm.name")
     if dropped_ok:
-        # The name was switched on the command line: the file's settings for the other
-        # algorithm do not apply to this one, so they are left out rather than refused.
+        # switched on the command line: the file's keys for the other algorithm are left out
         valid = {f.name for f in dataclasses.fields(algo.params)}
         data = {k: v for k, v in data.items() if k in valid}
     return AlgorithmConfig(name=name, params=from_dict(algo.params, data, prefix="algorithm."))
@@ -351,14 +348,13 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunCo
     rest = {k: v for k, v in merged.items() if k != "algorithm"}
     rest["algorithm"] = {}
     hints = typing.get_type_hints(RunConfig)
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    top = {f.name: f for f in dataclasses.fields(RunConfig)}
     for key in rest:
-        if key not in fields:
+        if key not in top:
             raise ConfigError(
-                f"unknown key {key}{suggest(str(key), fields)}; valid top-level keys: {', '.join(sorted(fields))}"
+                f"unknown key {key}{suggest(str(key), top)}; valid top-level keys: {', '.join(sorted(top))}"
             )
     kwargs: dict[str, Any] = {"algorithm": algo_cfg}
-    top = {f.name: f for f in dataclasses.fields(RunConfig)}
     for key, value in rest.items():
         if key != "algorithm":
             kwargs[key] = convert(value, hints[key], key)
