@@ -12,7 +12,15 @@ The Python API (docs/api.md) mirrors the commands:
 
 from rayfl.api import RunResult, SuiteResult, run, suite, sweep
 from rayfl.errors import ConfigError, UserError
+from rayfl.version import __version__
 
-__version__ = "0.1.0"
-
-__all__ = ["ConfigError", "RunResult", "SuiteResult", "UserError", "run", "suite", "sweep"]
+__all__ = [
+    "ConfigError",
+    "RunResult",
+    "SuiteResult",
+    "UserError",
+    "run",
+    "suite",
+    "sweep",
+    "__version__",
+]

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rayfl import plugins as _plugins
-from rayfl.config import RunConfig, build_config, read_yaml, to_dict
+from rayfl.config import build_config, read_yaml
 from rayfl.errors import UserError
+from rayfl.schema import RunConfig, to_dict
 
 if TYPE_CHECKING:
     from rayfl.tune import SweepResult

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from rayfl.algorithms.base import Algorithm
-from rayfl.config import RunConfig
 from rayfl.errors import ConfigError
 from rayfl.privacy import check_fits as check_privacy_fits
 from rayfl.privacy.hook import check_accounting
+from rayfl.schema import RunConfig
 
 
 def check_algorithm_fits(
@@ -55,8 +55,8 @@ def check_algorithm_fits(
 
 def check_family(cfg: RunConfig) -> list[str]:
     """Checks that need the family but no data: names, proportions, the algorithm's needs."""
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.models.families import family_from_config
-    from rayfl.registry import ALGORITHMS
 
     family = family_from_config(cfg.model.family, cfg.model.architectures)
     archs = family.assign(cfg.data.num_clients, cfg.model.proportions)

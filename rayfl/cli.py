@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rayfl.config import RunConfig, build_config, load_config
+from rayfl.config import build_config, load_config
 from rayfl.errors import UserError
 from rayfl.launch import default_run_dir, simulate
+from rayfl.schema import RunConfig
 from rayfl.tracking.provenance import COMMAND_ENV
 
 log = logging.getLogger("rayfl")
@@ -332,7 +333,9 @@ def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | Non
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from rayfl.registry import ALGORITHMS, DATASETS, FAMILIES, MODELS, PARTITIONERS
+    from rayfl.algorithms import ALGORITHMS
+    from rayfl.data import DATASETS, PARTITIONERS
+    from rayfl.models import FAMILIES, MODELS
 
     if args.name == "partitioners":
         print(_partitioners_text())
@@ -361,8 +364,7 @@ def _partitioners_text() -> str:
     """`rayfl ls partitioners`: label partitioners and the feature-shift options, one line each."""
     import inspect
 
-    from rayfl.data import transforms
-    from rayfl.registry import PARTITIONERS
+    from rayfl.data import PARTITIONERS, transforms
 
     lines = ["label partitioners (data.partition.name):"]
     for name, fn in PARTITIONERS.items():

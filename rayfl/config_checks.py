@@ -1,249 +1,18 @@
-"""Checking a config: the schema's types (`from_dict`, `convert`), ranges and cross-field rules
-(`check`), and what can be known infeasible before any data is loaded or Ray started
-(`check_feasible`): `rayfl validate` and `rayfl run` refuse the same configs, before the work.
-
-The schema itself (the dataclasses and `RANGES`) lives in `rayfl.config`.
+"""The checks across keys, and against what a run will need, that a config passes once every
+key is valid on its own (`rayfl.config`): registry names, resources, devices, domains, and what
+can be known infeasible before any data is loaded or Ray started (`check_feasible`).
+`rayfl validate` and `rayfl run` refuse the same configs, before the work.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
-
-from rayfl.errors import ConfigError, require, suggest
-
-if TYPE_CHECKING:
-    from rayfl.config import EngineConfig, RunConfig
-
-
-# --------------------------------------------------------------------------- ranges
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """The allowed interval of a numeric setting; open ends exclude the bound."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def contains(self, v: float) -> bool:
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return False
-        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
-
-    def describe(self) -> str:
-        if self.hi is None:
-            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
-        left = "(" if self.lo_open else "["
-        right = ")" if self.hi_open else "]"
-        return f"must be in {left}{self.lo:g}, {self.hi:g}{right}"
-
-
-AT_LEAST_1 = Range(lo=1)
-POSITIVE = Range(lo=0, lo_open=True)
-
-# Every number in the schema must be finite and >= 0 (checked while parsing, with the key in the
-# message); these are the tighter ranges. A None value (where allowed) is never range-checked.
-RANGES: dict[str, Range] = {
-    "data.num_clients": AT_LEAST_1,
-    "data.partition.alpha": POSITIVE,
-    "data.partition.classes_per_client": AT_LEAST_1,
-    "data.test_fraction": Range(lo=0, hi=1, lo_open=True, hi_open=True),
-    "data.public_fraction": Range(lo=0, hi=1, hi_open=True),
-    "data.train_samples": AT_LEAST_1,
-    "data.val_fraction": Range(lo=0, hi=1, hi_open=True),
-    "train.local_epochs": Range(lo=0, hi=10_000),
-    "train.batch_size": AT_LEAST_1,
-    "train.lr": POSITIVE,
-    "train.momentum": Range(lo=0, hi=1),
-    "train.grad_clip": POSITIVE,
-    "train.eval_batch_size": AT_LEAST_1,
-    "engine.rounds": AT_LEAST_1,
-    "engine.fraction": Range(lo=0, hi=1, lo_open=True),
-    "engine.clients_per_round": AT_LEAST_1,
-    "engine.num_workers": Range(lo=1, hi=10_000),
-    "engine.ray_num_cpus": AT_LEAST_1,
-    "engine.object_store_mb": Range(lo=80),
-    "engine.eval_every": AT_LEAST_1,
-    "engine.clients_per_call": AT_LEAST_1,
-    "engine.num_threads": AT_LEAST_1,
-    "engine.server_threads": AT_LEAST_1,
-    "engine.round_timeout_s": POSITIVE,
-    "engine.min_replies": AT_LEAST_1,
-    "engine.startup_timeout_s": POSITIVE,
-    "privacy.dp.clip": POSITIVE,
-    "privacy.dp.delta": Range(lo=0, hi=1, lo_open=True, hi_open=True),
-    "privacy.secagg.frac_bits": Range(lo=8, hi=40),
-    "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
-    "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
-}
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def clients_per_round(cfg: RunConfig) -> int:
-    return per_round(cfg.engine, cfg.data.num_clients)
-
-
-def per_round(e: EngineConfig, num_clients: int) -> int:
-    if e.clients_per_round is not None:
-        return e.clients_per_round
-    return max(1, round(e.fraction * num_clients))
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _options(tp: Any) -> list[str]:
-    """The values a bool or Literal annotation allows, as a config writes them (else none)."""
-    if tp is bool:
-        return ["true", "false"]
-    if typing.get_origin(tp) is Literal:
-        return [str(a) for a in typing.get_args(tp)]
-    return []
-
-
-def convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return convert(value, arg, key)
-            except ConfigError as exc:
-                errors.append(exc)
-        options = [_options(a) for a in args if a is not type(None)]
-        if all(options):  # e.g. `bool | Literal["auto"]`: one message naming every choice
-            names = [o for opts in options for o in opts]
-            raise ConfigError(
-                f"{key}: {value!r} is not allowed{suggest(str(value), names)}; "
-                f"choose one of {', '.join(names)}"
-            )
-        raise errors[0]
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(
-                f"{key}: {value!r} is not allowed{suggest(str(value), map(str, args))}; "
-                f"choose one of {', '.join(map(str, args))}"
-            )
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, prefix=f"{key}.")
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
-        item_tp = args[0] if args else Any
-        return tuple(convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        if len(args) == 2:  # dict[str, X]: every key a string, every value an X
-            for k in value:
-                if not isinstance(k, str):
-                    raise ConfigError(f"{key}: keys must be names, got {k!r}")
-            return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()}
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return _number(int(value), key)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return _number(value, key)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return _number(float(value), key)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
-
-
-def _number(value: float, key: str) -> Any:
-    """Every number in the schema is finite (and >= 0, see `from_dict`)."""
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}: must be a finite number (got {value!r})")
-    return value
-
-
-# Settings that no longer exist, and why (docs/performance.md, "Engine options and what they cost")
-REMOVED = {
-    "engine.driver_trains": "the driver no longer trains beside the workers' actors; delete the "
-    "key (engine.num_workers sets the workers)",
-    "engine.lean_ray": "a private Ray now starts with Ray's supported options only; delete the key",
-    "engine.grouped": "grouped (vectorized) client training was slower than the loop and is gone; "
-    "delete the key",
-}
-
-
-def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if f"{prefix}{key}" in REMOVED:
-            raise ConfigError(f"{prefix}{key} was removed: {REMOVED[f'{prefix}{key}']}")
-        if key not in fields:
-            raise ConfigError(
-                f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
-                f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
-            )
-    kwargs = {
-        name: convert(data[name], hints[name], f"{prefix}{name}") for name in fields if name in data
-    }
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
-    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
-    non_negative(kwargs, prefix)
-    return obj
-
-
-def non_negative(values: Mapping[str, Any], prefix: str) -> None:
-    """Every number in the schema is >= 0; `RANGES` and the algorithms' own checks narrow it."""
-    for name, value in values.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
-
-
-def _dotted(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+from rayfl.errors import require
+from rayfl.schema import RunConfig, clients_per_round
 
 
 def check(cfg: RunConfig) -> None:
-    """Cross-field checks that need no data: ranges and registry names."""
-    from rayfl.registry import DATASETS, PARTITIONERS
+    """Checks across keys that need no data: registry names, resources, devices, domains."""
+    from rayfl.data import DATASETS, PARTITIONERS  # torch: only once every key is valid
     from rayfl.resources import check_ray_num_cpus
 
     d, e = cfg.data, cfg.engine
@@ -251,10 +20,6 @@ def check(cfg: RunConfig) -> None:
         DATASETS.get(d.dataset, key="data.dataset")
     if d.partition.name not in PARTITIONERS:
         PARTITIONERS.get(d.partition.name, key="data.partition.name")
-    for key, rng in RANGES.items():
-        value = _dotted(cfg, key)
-        if value is not None:
-            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
     if e.clients_per_round is not None:
         require(
             e.clients_per_round <= d.num_clients,
@@ -286,6 +51,7 @@ def check(cfg: RunConfig) -> None:
         "driver runs the server in the driver's process, which reserves nothing; set "
         "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
     )
+    check_devices(cfg)
     check_domains(cfg)
     check_ray_num_cpus(e)  # a private Ray too small for one worker fails only after its start
     if cfg.model.proportions is not None:
@@ -302,13 +68,56 @@ def check(cfg: RunConfig) -> None:
     check_feasible(cfg)
 
 
+def check_devices(cfg: RunConfig) -> None:
+    """`devices`: tier names, the clients' assignment to tiers and the waiting policy."""
+    d = cfg.devices
+    for tier in d.tiers:
+        require(
+            all(v in (0, 1) for v in tier.trace),
+            f"devices.tiers[{tier.name}].trace",
+            f"must list 1 (available) or 0 per round (got {list(tier.trace)})",
+        )
+    names = [t.name for t in d.tiers]
+    require(len(set(names)) == len(names), "devices.tiers", f"tier names repeat: {names}")
+    for arch, tier_name in d.by_arch.items():
+        require(
+            tier_name in names,
+            f"devices.by_arch.{arch}",
+            f"{tier_name!r} is not a tier; choose one of {', '.join(names) or '(no tiers)'}",
+        )
+    require(
+        not d.by_arch or not d.proportions,
+        "devices.proportions",
+        "give by_arch or proportions, not both",
+    )
+    require(
+        not d.proportions or (len(d.proportions) == len(names) and sum(d.proportions) > 0),
+        "devices.proportions",
+        f"needs one non-negative share per tier ({len(names)}), got {list(d.proportions)}",
+    )
+    require(
+        d.policy != "deadline" or (d.deadline_s is not None and d.deadline_s > 0),
+        "devices.deadline_s",
+        "policy deadline needs deadline_s > 0 (simulated seconds)",
+    )
+    require(
+        d.policy != "first_k" or (d.first_k is not None and d.first_k >= 1),
+        "devices.first_k",
+        "policy first_k needs first_k >= 1",
+    )
+    require(
+        d.work == "flops" or d.policy == "all",
+        "devices.work",
+        "measured times are known only after training; use policy all, or work flops",
+    )
+
+
 def check_domains(cfg: RunConfig) -> None:
     """`data.domains`: recipes, counts and the held-out domain, before any data is read."""
     from rayfl.data import transforms
     from rayfl.data.domains import client_counts
 
     d = cfg.data.domains
-    require(d.noise >= 0, "data.domains.noise", f"must be >= 0 (got {d.noise})")
     for i, recipe in enumerate(d.transforms):
         transforms.parse(recipe, f"data.domains.transforms[{i}]")
     if d.transforms:

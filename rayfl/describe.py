@@ -1,50 +1,19 @@
 """`rayfl ls NAME`: an algorithm's (or a config section's) keys, defaults and one line of help each.
 
-The help of a field is `field(metadata={"help": ...})` when given, else the comment written beside
-(or just above) the field in its dataclass, so the source stays the one place that documents it.
+The help of a key is its field's metadata, declared with `rayfl.schema.setting` (the config
+sections and the algorithms' `Params` alike), so the schema is the one place that documents it.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
-import io
+import re
 import textwrap
-import tokenize
 import typing
 from typing import Any
 
-
-def field_help(cls: type) -> dict[str, str]:
-    """Field name -> its help text, from metadata or the source comments of dataclass `cls`."""
-    comments: dict[str, str] = {}
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        source = ""
-    if source:
-        notes: dict[int, str] = {}
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT:
-                notes[tok.start[0]] = tok.string.lstrip("#").strip()
-        (node,) = ast.parse(source).body
-        assert isinstance(node, ast.ClassDef)
-        previous_end = node.lineno
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                end = stmt.end_lineno or stmt.lineno
-                inline = [notes[i] for i in range(stmt.lineno, end + 1) if i in notes]
-                above = [notes[i] for i in range(previous_end + 1, stmt.lineno) if i in notes]
-                text = " ".join(inline or above)
-                if text:
-                    comments[stmt.target.id] = text
-            previous_end = stmt.end_lineno or stmt.lineno
-    out: dict[str, str] = {}
-    for f in dataclasses.fields(cls):
-        text = f.metadata.get("help") or comments.get(f.name, "")
-        out[f.name] = str(text)
-    return out
+from rayfl.schema import RunConfig, help_of
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
@@ -74,15 +43,14 @@ def _type_text(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(map(str, typing.get_args(tp)))
     text = getattr(tp, "__name__", None) if isinstance(tp, type) else None
-    return text or str(tp).replace("typing.", "")
+    return text or re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(tp))  # typing.X, rayfl.schema.X
 
 
 def describe_fields(cls: type, prefix: str) -> list[str]:
     """One line per field of dataclass `cls`: dotted key, default, type, help."""
-    helps = field_help(cls)
     hints = typing.get_type_hints(cls)
     rows = [
-        (f"{prefix}{f.name}", _show(_default(f)), _type_text(hints[f.name]), helps[f.name])
+        (f"{prefix}{f.name}", _show(_default(f)), _type_text(hints[f.name]), help_of(f))
         for f in dataclasses.fields(cls)
     ]
     if not rows:
@@ -96,8 +64,7 @@ def describe_fields(cls: type, prefix: str) -> list[str]:
 
 def describe(name: str) -> str:
     """The keys of algorithm `name`, or of config section `name` (engine, train, data, ...)."""
-    from rayfl.config import RunConfig
-    from rayfl.registry import ALGORITHMS
+    from rayfl.algorithms import ALGORITHMS  # torch: only for an algorithm's keys
 
     sections = {f.name for f in dataclasses.fields(RunConfig)} - {"algorithm", "name", "seed"}
     if name in sections:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import RunConfig
+from rayfl.schema import RunConfig
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

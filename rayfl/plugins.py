@@ -1,7 +1,8 @@
 """Plugins: a user's algorithms, models and datasets, registered like the built-ins.
 
-A plugin is a Python module whose import registers entries in `rayfl.registry` (exactly what
-`rayfl/algorithms/fedprox.py` does for FedProx). Three ways to name one:
+A plugin is a Python module whose import registers entries in the domains' registries
+(`rayfl.algorithms.ALGORITHMS`, exactly what `rayfl/algorithms/fedprox.py` does for FedProx;
+`rayfl.models.MODELS`, `rayfl.data.DATASETS`, ...). Three ways to name one:
 
 - `--plugin my_algos.py` on `rayfl run | validate | ls | compare | tune` (repeatable), or
   `rayfl.run(..., plugins=[...])`: a `.py` file (relative to the current directory) or an
@@ -10,7 +11,7 @@ A plugin is a Python module whose import registers entries in `rayfl.registry` (
   `base_file` or a sweep's `base`;
 - the entry point groups `rayfl.algorithms`, `rayfl.models` and `rayfl.datasets` of an
   installed package: the entry point names a module (imported; it registers itself) or an
-  object (registered in its group's registry under the entry point's name).
+  object (registered in its group's registry under the entry point's name; `rayfl.registry`).
 
 Built-ins load first, then entry points, then the named plugins, each file once, so a name that
 clashes with a built-in fails at its registration with one line. A file plugin is imported as a
@@ -31,34 +32,19 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rayfl import registry
 from rayfl.errors import ConfigError, UserError
-from rayfl.registry import (
-    ALGORITHMS,
-    DATASETS,
-    MODELS,
-    Registry,
-    add_loader,
-    load_builtins,
-    source,
-)
+from rayfl.registry import failure, source
 
 ENV = "RAYFL_PLUGINS"  # the plugins a Ray worker imports (JSON list), set through runtime_env
 KEY = "plugins"  # the experiment file's key
-GROUPS: dict[str, Registry[Any]] = {
-    "rayfl.algorithms": ALGORITHMS,
-    "rayfl.models": MODELS,
-    "rayfl.datasets": DATASETS,
-}
 
 # Every plugin named in this process, in order: resolved spec -> imported yet.
 _plugins: dict[str, bool] = {}
-_entry_points_loaded = False
 
 
 def resolve(spec: Any, base: Path | None = None) -> str:
@@ -147,9 +133,9 @@ def _import(spec: str) -> None:
                 raise UserError(
                     f"plugin {spec}: no module named {spec!r}; pass a .py file or an importable module"
                 ) from None
-            raise UserError(f"plugin {spec} failed to import: {_where(exc, spec)}") from None
+            raise UserError(f"plugin {spec} failed to import: {failure(exc, spec)}") from None
         except Exception as exc:
-            raise UserError(f"plugin {spec} failed to import: {_where(exc, spec)}") from None
+            raise UserError(f"plugin {spec} failed to import: {failure(exc, spec)}") from None
 
 
 def _import_file(path: Path) -> None:
@@ -176,43 +162,6 @@ def _import_file(path: Path) -> None:
         raise
 
 
-def _where(exc: BaseException, spec: str) -> str:
-    """`Type: message (file:line: code)`, at the deepest frame in the plugin's own file."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f"SyntaxError: {exc.msg} ({exc.filename}:{exc.lineno})"
-    message = str(exc).strip()
-    text = f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    own = [f for f in frames if f.filename == spec] or [
-        f for f in frames if "importlib" not in f.filename
-    ]
-    if own:
-        frame = own[-1]
-        return f"{text} ({frame.filename}:{frame.lineno}: {(frame.line or '').strip()})"
-    return text
-
-
-def load_entry_points() -> None:
-    """Import the `rayfl.algorithms` / `rayfl.models` / `rayfl.datasets` entry points (once)."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for group, registry in GROUPS.items():
-        for ep in metadata.entry_points(group=group):
-            package = ep.dist.name if ep.dist is not None else "?"
-            label = f"entry point {ep.name} = {ep.value} ({group}, package {package})"
-            with source(label):
-                try:
-                    obj = ep.load()
-                except UserError as exc:
-                    raise UserError(f"{label}: {exc}") from None
-                except Exception as exc:
-                    raise UserError(f"{label} failed to import: {_where(exc, '')}") from None
-                if not isinstance(obj, type(sys)):  # an object, not a module: register it
-                    registry.add(ep.name, obj)
-
-
 def runtime_env() -> dict[str, Any]:
     """`ray.init`'s `runtime_env` that makes every worker import this process's plugins ({}
     when there are none)."""
@@ -227,9 +176,7 @@ def runtime_env() -> dict[str, Any]:
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook`: import the driver's plugins in this worker process."""
     add(json.loads(os.environ.get(ENV, "[]")))
-    load_builtins()
+    registry.load()
 
 
-# entry points first (once), then the plugins named since the last lookup
-add_loader(load_entry_points)
-add_loader(load_pending)
+registry.add_loader(load_pending)  # at every lookup: the plugins named since the last one

@@ -1,50 +1,39 @@
-"""Named builders: algorithms, models, families, datasets, partitioners.
+"""A name -> object registry with a decorator to fill it; it knows no domain.
 
-Every concept users pick by name in a config lives in one of these registries, so
-`rayfl ls` can list it and a misspelt name fails with a suggestion. A user's own entries come
-from plugins (`rayfl.plugins`), registered the same way after the built-ins.
+Each domain owns its registry beside what it registers (`rayfl.algorithms.ALGORITHMS`,
+`rayfl.models.MODELS` and `FAMILIES`, `rayfl.data.DATASETS` and `PARTITIONERS`), and the
+package that defines it imports its built-in entries, so a registry is full as soon as it can be
+imported. Before a lookup, every registry runs the loaders added with `add_loader` (the named
+plugins, `rayfl.plugins`) and once the installed entry points of every group a registry names,
+so a user's entries appear the same way everywhere, Ray workers included.
 """
 
 from __future__ import annotations
 
-import importlib
+import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from importlib import metadata
+from typing import Generic, TypeVar
 
-from rayfl.errors import ConfigError, suggest
-
-if TYPE_CHECKING:  # typing only: the algorithms import this module to register themselves
-    from rayfl.algorithms.base import Algorithm
+from rayfl.errors import ConfigError, UserError, suggest
 
 T = TypeVar("T")
 
-# Modules whose import registers the built-in entries.
-_BUILTIN_MODULES = (
-    "rayfl.data.datasets",
-    "rayfl.data.cifar",
-    "rayfl.data.tinyimagenet",
-    "rayfl.data.folder",
-    "rayfl.data.partition",
-    "rayfl.models.zoo",
-    "rayfl.models.families",
-    "rayfl.algorithms",
-    "rayfl.plugins",  # adds the loaders of entry points and named plugins (`add_loader`)
-)
-
-# Run after the built-ins on every `load_builtins` (rayfl.plugins adds its two at import): kept
-# as callables so that this module imports none of the modules that register entries.
+# Run before every lookup (rayfl.plugins adds the import of the plugins named since the last).
 _loaders: list[Callable[[], None]] = []
+# Who is registering now: "built-in", or the plugin or entry point being imported (`source`).
+_source = "built-in"
+# Every registry, for the entry points of its group; the groups whose entry points are loaded.
+_registries: list[Registry[object]] = []
+_groups_loaded: set[str] = set()
 
 
 def add_loader(loader: Callable[[], None]) -> None:
-    """Call `loader` after the built-ins are registered, at every `load_builtins`."""
+    """Call `loader` before every registry lookup (it must be cheap when it has nothing to do)."""
     if loader not in _loaders:
         _loaders.append(loader)
-
-
-# Who is registering now: "built-in", or the plugin being imported (`source`).
-_source = "built-in"
 
 
 @contextmanager
@@ -59,12 +48,14 @@ def source(label: str) -> Iterator[None]:
 
 
 class Registry(Generic[T]):
-    """A name -> object mapping with a decorator to fill it."""
+    """Named entries of one `kind`; `group` names the entry point group that adds to it."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, group: str | None = None) -> None:
         self.kind = kind
+        self.group = group
         self._entries: dict[str, T] = {}
         self._sources: dict[str, str] = {}
+        _registries.append(self)  # type: ignore[arg-type]
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
@@ -84,7 +75,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str, key: str | None = None) -> T:
         """Look `name` up; an unknown name is a ConfigError naming `key` and the choices."""
-        load_builtins()
+        load()
         if name not in self._entries:
             where = f"{key}: " if key else ""
             raise ConfigError(
@@ -95,37 +86,53 @@ class Registry(Generic[T]):
         return self._entries[name]
 
     def __contains__(self, name: object) -> bool:
-        load_builtins()
+        load()
         return name in self._entries
 
     def names(self) -> list[str]:
-        load_builtins()
+        load()
         return sorted(self._entries)
 
     def items(self) -> list[tuple[str, T]]:
-        load_builtins()
+        load()
         return sorted(self._entries.items())
 
 
-ALGORITHMS: Registry[Algorithm[Any]] = Registry("algorithm")
-MODELS: Registry[Any] = Registry("model")
-FAMILIES: Registry[Any] = Registry("model family")
-DATASETS: Registry[Any] = Registry("dataset")
-PARTITIONERS: Registry[Any] = Registry("partitioner")
+def load() -> None:
+    """The installed entry points of every registry's group (once each), then the loaders."""
+    for registry in list(_registries):
+        group = registry.group
+        if group is None or group in _groups_loaded:
+            continue
+        _groups_loaded.add(group)
+        for ep in metadata.entry_points(group=group):
+            package = ep.dist.name if ep.dist is not None else "?"
+            label = f"entry point {ep.name} = {ep.value} ({group}, package {package})"
+            with source(label):
+                try:
+                    obj = ep.load()
+                except UserError as exc:
+                    raise UserError(f"{label}: {exc}") from None
+                except Exception as exc:
+                    raise UserError(f"{label} failed to import: {failure(exc, '')}") from None
+                if not isinstance(obj, type(sys)):  # an object, not a module: register it
+                    registry.add(ep.name, obj)
+    for loader in _loaders:
+        loader()
 
-_loaded = False
-_builtins_done = False
 
-
-def load_builtins() -> None:
-    """Import the modules that register rayfl's built-in entries and the installed entry points
-    (once), then the plugins named since the last call (`rayfl.plugins`)."""
-    global _loaded, _builtins_done
-    if not _loaded:
-        _loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
-        _builtins_done = True
-    if _builtins_done:  # not while a built-in module's import looks an entry up
-        for loader in _loaders:
-            loader()
+def failure(exc: BaseException, filename: str) -> str:
+    """`Type: message (file:line: code)` of a failed import, at the deepest frame in
+    `filename` (else the deepest outside importlib)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError: {exc.msg} ({exc.filename}:{exc.lineno})"
+    message = str(exc).strip()
+    text = f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if f.filename == filename] or [
+        f for f in frames if "importlib" not in f.filename
+    ]
+    if own:
+        frame = own[-1]
+        return f"{text} ({frame.filename}:{frame.lineno}: {(frame.line or '').strip()})"
+    return text

@@ -20,7 +20,7 @@ from rayfl.errors import UserError
 
 if TYPE_CHECKING:
     from rayfl.clusterconfig import ClusterSize
-    from rayfl.config import EngineConfig, Resources
+    from rayfl.schema import EngineConfig, Resources
 
 LOWER_WORKERS = "lower engine.worker_resources (e.g. num_gpus=0 on a machine without GPUs)"
 GPU_CLUSTER = (

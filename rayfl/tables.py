@@ -3,11 +3,13 @@
 Rows are dicts; a column is every key seen in any row (first-seen order unless a `key` orders
 them), missing cells are nulls, and a column that mixes types (a grid of names and numbers) is
 written as text. Files are written to a temporary sibling and renamed into place, so a reader
-never sees half a table.
+never sees half a table. JSON files are written strictly (`strict_json`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,3 +65,19 @@ def write_table(
         write_with(twin, lambda f: pacsv.write_csv(table, f))
         written.insert(0, twin)
     return written
+
+
+def finite_or_none(obj: Any) -> Any:
+    """A copy of nested dicts/lists with NaN and inf floats replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """JSON that every parser accepts: NaN and inf become null (`allow_nan=False` holds)."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)

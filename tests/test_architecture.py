@@ -33,7 +33,8 @@ def test_algorithms_import_no_ray_mlflow_or_engine_statically():
 
 def test_importing_algorithms_loads_no_ray_or_mlflow():
     code = (
-        "import sys, rayfl.algorithms, rayfl.registry; rayfl.registry.load_builtins();"
+        "import sys, rayfl.algorithms, rayfl.data, rayfl.models, rayfl.plugins, rayfl.registry;"
+        "rayfl.registry.load();"
         "bad = [m for m in ('ray', 'mlflow', 'rayfl.engine') if m in sys.modules]; print(bad); assert not bad"
     )
     proc = subprocess.run(

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from rayfl.config import build_config
-from rayfl.engine.sampling import sample_clients
 from rayfl.errors import ConfigError, UserError
 from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
+from rayfl.sampling import sample_clients
 from tests.conftest import SYNTHETIC
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
@@ -300,7 +300,6 @@ def test_protocol_bench_counts_the_bytes_of_one_upload():
     measure, variants = privacy_protocol.measure, privacy_protocol.VARIANTS
     assert measure(variants["dp"], clients=3, size=50)["bytes_up"] == 4 * 50  # float32
     assert measure(variants["secagg"], clients=3, size=50)["bytes_up"] == 8 * 51  # uint64 + weight
-
 
 
 def test_rayfl_validates_a_benchmark_as_its_base_run_and_run_names_the_driver(tmp_path, capsys):

@@ -255,3 +255,51 @@ def test_validate_refuses_alias_bombs_in_one_line(tmp_path, capsys, text):
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "alias" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a: " + "[" * 20_000 + "]" * 20_000 + "\n", "".join("  " * i + "k:\n" for i in range(5_000))],
+    ids=["flow", "block"],
+)
+def test_deep_yaml_is_refused_before_it_is_composed(tmp_path, capsys, text):
+    from rayfl import cli
+
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nests deeper than 100 levels" in err and len(err.splitlines()) == 1, err
+    # a deep override value is a string, which the key's type then refuses in one line
+    with pytest.raises(ConfigError, match="engine.rounds: expected an integer"):
+        build_config({"algorithm": {"name": "local"}}, ["engine.rounds=" + "[" * 5_000])
+
+
+def test_yaml_within_the_depth_limit_loads():
+    from rayfl.yamlfile import YAML_DEPTH, yaml_load
+
+    assert yaml_load("[" * YAML_DEPTH + "]" * YAML_DEPTH) is not None
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("engine.rounds=1e300", "engine.rounds: expected an integer, got 1e+300"),
+        ("engine.rounds=1000001", "engine.rounds: must be in [1, 1000000] (got 1000001)"),
+        ("seed=100000000000000000000", "seed: must be below 2^63"),
+        ("train.lr=.inf", "train.lr: must be a finite number"),
+        ("name=../../x", "name: '../../x' is not a single name"),
+        ("name=a/b", "name: 'a/b' is not a single name"),
+        ("name=.hidden", "name: '.hidden' is not a single name"),
+        ("name=''", "name: '' is not a single name"),
+    ],
+)
+def test_bounds_refuse_in_one_line(synthetic_raw, override, needle):
+    with pytest.raises(ConfigError) as info:
+        build_config(synthetic_raw, [override])
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bounds_accept_what_they_should(synthetic_raw):
+    cfg = build_config(synthetic_raw, ["engine.rounds=1000000", "name=my_run-2.v1", "seed=1e3"])
+    assert (cfg.engine.rounds, cfg.name, cfg.seed) == (1_000_000, "my_run-2.v1", 1000)

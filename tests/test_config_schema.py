@@ -10,15 +10,19 @@ from typing import Any, Literal
 
 import pytest
 
-from rayfl.config import RANGES, RunConfig, build_config, parse_override
+from rayfl.algorithms import ALGORITHMS
+from rayfl.config import RunConfig, build_config, parse_override
 from rayfl.errors import ConfigError
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import Range, range_of
 
 
 def _leaf_types(tp: Any) -> list[Any]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return [a for a in typing.get_args(tp) if a is not type(None)]
     return [tp]
+
+
+RANGES: dict[str, Range] = {}  # dotted key -> the range its `setting` declares
 
 
 def _fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
@@ -29,6 +33,8 @@ def _fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
         key, tp = f"{prefix}{f.name}", hints[f.name]
         if key == "algorithm":
             continue  # covered per algorithm below
+        if (rng := range_of(f)) is not None:
+            RANGES[key] = rng
         nested = [t for t in _leaf_types(tp) if dataclasses.is_dataclass(t)]
         if nested:
             out.append((key, tp))
@@ -102,7 +108,8 @@ for name, algo in ALGORITHMS.items():
 def test_the_table_covers_the_schema():
     keys = {k for k, _ in CORE}
     assert {"seed", "engine.round_timeout_s", "engine.max_retries", "data.partition.alpha"} <= keys
-    assert set(RANGES) <= keys, "RANGES names a key the schema does not have"
+    assert {"engine.rounds", "engine.fraction", "data.test_fraction"} <= set(RANGES)
+    assert RANGES["engine.rounds"].hi == 1_000_000
     assert len(CASES) > 150
 
 
@@ -146,3 +153,59 @@ def test_a_directory_is_reported_as_a_directory(tmp_path):
 
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+
+
+def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    out = [(prefix.rstrip("."), cls)]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        for t in _leaf_types(hints[f.name]):
+            inner = typing.get_args(t)[-1] if typing.get_origin(t) in (tuple, dict) else t
+            if dataclasses.is_dataclass(inner) and f.name != "algorithm":
+                out += _sections(inner, f"{prefix}{f.name}.")
+    return out
+
+
+def test_every_key_has_one_line_of_help_in_the_schema():
+    from rayfl.schema import help_of
+
+    missing = [
+        f"{name or 'top'}.{f.name}"
+        for name, cls in _sections(RunConfig)
+        for f in dataclasses.fields(cls)
+        if f.name != "algorithm" and not help_of(f)
+    ]
+    missing += [
+        f"{name}.{f.name}"
+        for name, algo in ALGORITHMS.items()
+        for f in dataclasses.fields(algo.params)
+        if not help_of(f)
+    ]
+    assert missing == []
+    helps = [help_of(f) for _, cls in _sections(RunConfig) for f in dataclasses.fields(cls)]
+    assert all("\n" not in h for h in helps)
+
+
+def test_ls_prints_the_help_declared_in_the_schema():
+    # the help comes from the field's metadata: a field declared with `setting` and no comment
+    from rayfl.describe import describe, describe_fields
+    from rayfl.schema import setting
+
+    @dataclasses.dataclass(frozen=True)
+    class Demo:
+        rate: float = setting(0.5, "how fast it goes", gt=0)
+        plain: int = 3
+
+    lines = describe_fields(Demo, "demo.")
+    assert lines[0].split() == ["demo.rate", "0.5", "float", "how", "fast", "it", "goes"]
+    assert lines[1].split() == ["demo.plain", "3", "int"]
+    text = describe("engine")
+    assert "engine.rounds" in text and "rounds of the federation" in text
+    assert "algorithm.mu" in describe("fedprox") and "proximal weight" in describe("fedprox")
+
+
+def test_declared_ranges_are_checked_on_any_section(synthetic_raw):
+    with pytest.raises(ConfigError, match=r"devices.tiers\[0\].speed: must be > 0"):
+        build_config(synthetic_raw, ["devices.tiers=[{name: a, speed: 0}]"])
+    with pytest.raises(ConfigError, match=r"devices.tiers\[0\].availability: must be in \[0, 1\]"):
+        build_config(synthetic_raw, ["devices.tiers=[{name: a, availability: 2}]"])

@@ -23,30 +23,10 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(tree: ast.Module, everywhere: bool = False) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported: module level, `try`/`if` bodies included,
-    `if TYPE_CHECKING:` blocks excluded. `everywhere`: also those inside functions and classes
-    (a function-level import is a dependency all the same: it only runs later)."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    todo: list[ast.AST] = list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and _is_type_checking(node):
-            todo += node.orelse
-        elif everywhere or isinstance(node, (ast.If, ast.Try)):
-            todo += list(ast.iter_child_nodes(node))
-        elif isinstance(node, ast.ExceptHandler):  # a `try`'s handler
-            todo += node.body
-    return found
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import in the module: module level, inside functions and classes, and under
+    `if TYPE_CHECKING:` (a typing-only or function-level import is a dependency all the same)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def _with_parents(name: str) -> list[str]:
@@ -55,28 +35,53 @@ def _with_parents(name: str) -> list[str]:
     return [m for m in (".".join(parts[: i + 1]) for i in range(len(parts))) if m in MODULES]
 
 
-def import_graph(everywhere: bool = False) -> dict[str, set[str]]:
-    """`module -> rayfl modules its import runs`, from the source alone (`everywhere`: also the
-    imports inside its functions)."""
+def _targets(node: ast.Import | ast.ImportFrom, package: str) -> tuple[list[str], list[str]]:
+    """(every module the import runs, the modules it names): `from a import b` names `a.b`
+    when that is a module, else `a` (whose attribute `b` must exist by then)."""
+    if isinstance(node, ast.Import):
+        named = [a.name for a in node.names]
+        return named, named
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, base] if base else anchor)
+    subs = [f"{base}.{a.name}" for a in node.names]
+    named = [m for m in subs if m in MODULES]
+    if len(named) < len(subs):
+        named.append(base)
+    return [base, *subs], named
+
+
+def import_graph() -> dict[str, set[str]]:
+    """`module -> rayfl modules it imports`, from the source alone. A module's own parent
+    packages are already being imported when it runs, so the parents an import runs on the way
+    are no edge; a parent the import names (`import rayfl`, `from rayfl import run`) is one."""
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in _imports(ast.parse(path.read_text()), everywhere):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            for target in targets:
-                edges.update(_with_parents(target))
+        for node in _imports(ast.parse(path.read_text())):
+            runs, named = _targets(node, package)
+            found = {m for target in runs for m in _with_parents(target)}
+            edges |= {m for m in found if not name.startswith(m + ".") or m in named}
         edges.discard(name)
-        # a package's own parents are already being imported when it runs: not a cycle
-        graph[name] = {e for e in edges if not name.startswith(e + ".")}
+        graph[name] = edges
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same edges between rayfl's subpackages (`rayfl.engine`, ...) and top-level modules."""
+
+    def unit(module: str) -> str:
+        top = ".".join(module.split(".")[:2])
+        return top if MODULES.get(top, Path()).name == "__init__.py" else module
+
+    out: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        out.setdefault(unit(module), set()).update(unit(e) for e in edges)
+    for node, edges in out.items():
+        edges.discard(node)
+    return out
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -107,20 +112,37 @@ def test_find_cycle_finds_a_planted_cycle():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_package_has_no_import_cycles():
+def test_the_graph_follows_every_kind_of_import():
     graph = import_graph()
-    assert "rayfl.engine.loop" in graph and "rayfl.config" in graph["rayfl.engine.loop"]
-    cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-
-
-def test_function_level_imports_make_no_cycle_either():
-    # A cycle hidden in a function-level import (startup <-> executor, privacy -> engine) is
-    # still two modules that cannot be understood, tested or moved apart.
-    graph = import_graph(everywhere=True)
+    assert "rayfl.schema" in graph["rayfl.engine.loop"]  # module level
     assert "rayfl.engine.ray_executor" in graph["rayfl.engine.loop"]  # inside make_executor
-    cycle = find_cycle(graph)
+    assert "rayfl.schema" in graph["rayfl.resources"]  # under `if TYPE_CHECKING:`
+    assert "rayfl.api" in graph["rayfl"]  # a package's __init__ importing its modules
+    assert "rayfl.algorithms" not in graph["rayfl.algorithms.fedavg"]  # only its parent, ran
+    assert "rayfl" not in graph["rayfl.tracking.provenance"]  # no `import rayfl` any more
+    tree = ast.parse("import rayfl\nfrom rayfl import run\nfrom rayfl.engine import loop\n")
+    named = [_targets(n, "rayfl.engine")[1] for n in _imports(tree)]
+    assert sorted(map(sorted, named)) == [["rayfl"], ["rayfl"], ["rayfl.engine.loop"]]
+
+
+def test_the_schema_and_the_registry_know_no_domain():
+    graph = import_graph()
+    assert graph["rayfl.schema"] == set()  # the types every layer may use
+    assert graph["rayfl.registry"] == {"rayfl.errors"}  # a generic name -> object registry
+    assert graph["rayfl.yamlfile"] == set()
+
+
+def test_the_package_has_no_import_cycles():
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_subpackages_have_no_import_cycles_either():
+    # engine -> tracking -> engine is a cycle even when no two modules close it
+    graph = package_graph(import_graph())
+    assert "rayfl.privacy" in graph["rayfl.engine"] and "rayfl.schema" in graph["rayfl.data"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
 def test_every_module_imports_on_its_own():

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import Algorithm, ModelClient, Server
-from rayfl.registry import ALGORITHMS
+from rayfl.algorithms import ALGORITHMS
 
 if os.environ.get("MARKER_DIR"):
     (Path(os.environ["MARKER_DIR"]) / str(os.getpid())).touch()
@@ -155,7 +155,7 @@ def test_plugins_key_is_relative_to_the_config_file(tmp_path):
         ("x = 1\nraise ValueError('broken on purpose')\n", "bad.py:2: raise ValueError"),
         ("def f(:\n", "SyntaxError"),
         (
-            "from rayfl.registry import ALGORITHMS\n"
+            "from rayfl.algorithms import ALGORITHMS\n"
             "from rayfl.algorithms.base import Algorithm, NoParams, ModelClient, Server\n"
             "ALGORITHMS.add('fedavg', Algorithm('fedavg', NoParams, ModelClient, Server))\n",
             "algorithm 'fedavg' is already registered (built-in)",

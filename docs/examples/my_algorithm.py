@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -36,15 +37,15 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fedavg import FedAvgServer
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class MoonParams:
     """The `algorithm:` keys of a config (`rayfl ls moon` lists them)."""
 
-    mu: float = 1.0  # weight of the model-contrastive loss (paper: 1 or 5 by data set)
-    temperature: float = 0.5  # temperature T of the cosine similarities (paper: 0.5)
+    mu: float = setting(1.0, "weight of the model-contrastive loss (paper: 1 or 5 by data set)")
+    temperature: float = setting(0.5, "temperature T of the cosine similarities (paper: 0.5)")
 
     def __post_init__(self) -> None:
         require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")

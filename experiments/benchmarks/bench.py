@@ -56,12 +56,13 @@ from bench_floors import (  # this script's folder is on sys.path
     write_config,
 )
 
-from rayfl.config import RunConfig, build_config, clients_per_round, load_config, read_yaml
-from rayfl.engine.callbacks import Callback
+from rayfl.config import build_config, load_config, read_yaml
+from rayfl.engine.hooks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
 from rayfl.resources import local_cpus, worker_capacity
 from rayfl.safefile import write_atomic
+from rayfl.schema import RunConfig, clients_per_round
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,11 @@ from typing import Any
 import psutil
 import yaml
 
-from rayfl.config import RunConfig, build_config, clients_per_round, to_dict
+from rayfl.config import build_config
 from rayfl.engine.startup import init_ray_for_run, spill_dir
 from rayfl.errors import UserError
 from rayfl.safefile import read_json, write_atomic
+from rayfl.schema import RunConfig, clients_per_round, to_dict
 
 BENCH = Path(__file__).resolve().with_name("bench.py")  # the children run this script
 FLOOR = "floor"
@@ -255,7 +256,7 @@ def floor_shares(
     """The run's client trainings, (round, client) for every sampled client of every round,
     split over `workers` so that each gets the same number of samples to train (largest first,
     each to the least loaded)."""
-    from rayfl.engine.sampling import sample_clients
+    from rayfl.sampling import sample_clients
 
     per_round = clients_per_round(cfg)
     jobs = [

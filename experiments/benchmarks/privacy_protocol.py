@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayfl.algorithms.base import Reply, payload_nbytes
-from rayfl.config import DPConfig, PrivacyConfig, SecAggConfig
 from rayfl.privacy import dp
 from rayfl.privacy.hook import PrivacyHook
+from rayfl.schema import DPConfig, PrivacyConfig, SecAggConfig
 
 VARIANTS = {
     "dp": PrivacyConfig(dp=DPConfig(enabled=True)),

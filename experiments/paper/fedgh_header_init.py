@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Algorithm, ServerContext
 from rayfl.algorithms.fedgh import FedGHClient, FedGHParams, FedGHServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.engine.spec import INIT, derive_seed
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 BASE = {
     "name": "fedgh_header_init",

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rayfl.privacy.report import save_epsilon_plot
+from rayfl.privacy_report import save_epsilon_plot
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "privacy"

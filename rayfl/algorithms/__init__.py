@@ -1,4 +1,5 @@
-"""Federated algorithms: one module each, holding both halves. Importing this registers them."""
+"""Federated algorithms: one module each, holding both halves. Importing this registers them
+in `ALGORITHMS` (defined in `rayfl.algorithms.base`, which every algorithm imports)."""
 
 from rayfl.algorithms import (  # noqa: F401  (registration)
     apfl,
@@ -28,6 +29,6 @@ from rayfl.algorithms import (  # noqa: F401  (registration)
     local,
     pfedes,
 )
-from rayfl.algorithms.base import Algorithm, Client, Reply, Server
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, Client, Reply, Server
 
-__all__ = ["Algorithm", "Client", "Reply", "Server"]
+__all__ = ["ALGORITHMS", "Algorithm", "Client", "Reply", "Server"]

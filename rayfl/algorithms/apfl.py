@@ -35,6 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -43,13 +44,15 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class APFLParams:
-    alpha: float = 0.5  # initial weight of the local model in the mixture, in [0, 1]
-    adaptive: bool = True  # learn alpha per client by gradient descent (False: keep it fixed)
+    alpha: float = setting(0.5, "initial weight of the local model in the mixture, in [0, 1]")
+    adaptive: bool = setting(
+        True, "learn alpha per client by gradient descent (False: keep it fixed)"
+    )
 
     def __post_init__(self) -> None:
         require(

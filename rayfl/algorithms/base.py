@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfl.config import TrainConfig
 from rayfl.models import build_model
 from rayfl.models.base import SplitModel
+from rayfl.registry import Registry
+from rayfl.schema import TrainConfig
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -349,6 +350,9 @@ class Algorithm(Generic[P]):
     # Extra check of the clients' architectures against the params (raises ConfigError); cheap,
     # it builds no model, so `rayfl validate` can run it before any data is loaded.
     check_archs: Callable[[Sequence[str], P], None] | None = None
+
+
+ALGORITHMS: Registry[Algorithm[Any]] = Registry("algorithm", group="rayfl.algorithms")
 
 
 @dataclass(frozen=True)

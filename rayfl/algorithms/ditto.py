@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -41,15 +42,15 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fedprox import proximal_term
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class DittoParams:
-    lam: float = (
-        1.0  # pull of the personal model towards the global one (the paper tunes 0.01 to 2)
+    lam: float = setting(
+        1.0, "pull of the personal model towards the global one (the paper tunes 0.01 to 2)"
     )
-    personal_epochs: int = 1  # passes over the local data for the personal model per round
+    personal_epochs: int = setting(1, "passes over the local data for the personal model per round")
 
     def __post_init__(self) -> None:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -61,21 +62,25 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fml import check_choice
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 LOSSES = ("ce_softmax", "ce", "mse")
 
 
 @dataclass(frozen=True)
 class FDParams:
-    gamma: float = 1.0  # weight of the distillation term (HtFLlib -lam 1)
-    # distillation term: CE to the softmax of the global logits (HtFLlib until ca3e29a), CE to
-    # the raw global logits (HtFLlib since; unbounded, diverges) or MSE (HtFLlib's first)
-    loss: Literal["ce_softmax", "ce", "mse"] = "ce_softmax"
-    # class logits of the training steps (HtFLlib) or of an eval pass after training
-    collect: Literal["train", "after"] = "train"
-    # global logits: unweighted mean over clients (HtFLlib) or weighted by class counts
-    average: Literal["clients", "samples"] = "clients"
+    gamma: float = setting(1.0, "weight of the distillation term (HtFLlib -lam 1)")
+    loss: Literal["ce_softmax", "ce", "mse"] = setting(
+        "ce_softmax",
+        "distillation term: CE to the softmax of the global logits (HtFLlib until ca3e29a), CE to the raw global logits (HtFLlib since; unbounded, diverges) or MSE (HtFLlib's first)",
+    )
+    collect: Literal["train", "after"] = setting(
+        "train", "class logits of the training steps (HtFLlib) or of an eval pass after training"
+    )
+    average: Literal["clients", "samples"] = setting(
+        "clients",
+        "global logits: unweighted mean over clients (HtFLlib) or weighted by class counts",
+    )
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")

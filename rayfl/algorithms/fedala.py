@@ -42,6 +42,7 @@ from torch import nn
 from torch.func import functional_call
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -50,17 +51,19 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedALAParams:
-    eta: float = 1.0  # learning rate of the aggregation weights W
-    rand_percent: int = 80  # percent of the local training data that ALA learns W on
-    layers: int = 2  # top parameter tensors aggregated adaptively (0: all); the rest take global
-    threshold: float = 0.1  # first ALA stops when the std of the last losses is below this
-    num_pre_loss: int = 10  # how many epoch losses that standard deviation looks at
-    max_init_epochs: int = 100  # cap on the epochs of a client's first ALA
+    eta: float = setting(1.0, "learning rate of the aggregation weights W")
+    rand_percent: int = setting(80, "percent of the local training data that ALA learns W on")
+    layers: int = setting(
+        2, "top parameter tensors aggregated adaptively (0: all); the rest take global"
+    )
+    threshold: float = setting(0.1, "first ALA stops when the std of the last losses is below this")
+    num_pre_loss: int = setting(10, "how many epoch losses that standard deviation looks at")
+    max_init_epochs: int = setting(100, "cap on the epochs of a client's first ALA")
 
     def __post_init__(self) -> None:
         require(self.eta > 0, "algorithm.eta", f"must be > 0 (got {self.eta})")

@@ -9,6 +9,7 @@ Server: sample-weighted average of the client models.
 from __future__ import annotations
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ModelClient,
@@ -21,7 +22,6 @@ from rayfl.algorithms.base import (
     to_numpy,
 )
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 class FedAvgClient(ModelClient[P]):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -44,13 +45,15 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import GroupServer, extractor, frozen
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedBABUParams:
-    finetune_epochs: int = 1  # passes fine-tuning the whole received model into the personal one
-    finetune_lr: float | None = None  # learning rate of that fine-tuning (None: train.lr)
+    finetune_epochs: int = setting(
+        1, "passes fine-tuning the whole received model into the personal one"
+    )
+    finetune_lr: float | None = setting(None, "learning rate of that fine-tuning (None: train.lr)")
 
     def __post_init__(self) -> None:
         require(self.finetune_epochs >= 0, "algorithm.finetune_epochs", "must be >= 0")

@@ -17,9 +17,8 @@ never travel). A model without BatchNorm (`tiny_a`, `cnn_small`) makes FedBN Fed
 
 from __future__ import annotations
 
-from rayfl.algorithms.base import Algorithm, NoParams, P
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, NoParams, P
 from rayfl.algorithms.groups import GroupClient, GroupServer
-from rayfl.registry import ALGORITHMS
 
 
 class FedBNClient(GroupClient[P]):

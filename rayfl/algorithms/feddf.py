@@ -34,28 +34,31 @@ from typing import Literal
 
 import torch
 
-from rayfl.algorithms.base import Algorithm, ServerData
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, ServerData
 from rayfl.algorithms.fedfd import FedFDClient, FedFDParams, FedFDServer, check_fedfd_family
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedDFParams(FedFDParams):
     """FedFD's parameters with averaged-logit distillation by default, plus the official FedDF
     code's schedule and early stopping (off by default).
-
-    Attributes:
-        schedule: `constant`, or `cosine` annealing of `lr` to 0 over `steps` (official).
-        patience: stop when the public-split accuracy has not improved for this many steps and
-            keep the best model (official: 1000); null runs all `steps`.
-        eval_every: steps between two accuracy checks when `patience` is set (official: 100).
     """
 
-    distill: Literal["feature", "logit", "both"] = "logit"
-    schedule: Literal["constant", "cosine"] = "constant"
-    patience: int | None = None
-    eval_every: int = 100
+    distill: Literal["feature", "logit", "both"] = setting(
+        "logit", "`feature` (FedFD), `logit` (FedDF's averaged logits) or `both`"
+    )
+    schedule: Literal["constant", "cosine"] = setting(
+        "constant", "`constant`, or `cosine` annealing of `lr` to 0 over `steps` (official)"
+    )
+    patience: int | None = setting(
+        None,
+        "stop when the public-split accuracy has not improved for this many steps and keep the best model (official: 1000); null runs all `steps`",
+    )
+    eval_every: int = setting(
+        100, "steps between two accuracy checks when `patience` is set (official: 100)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -52,6 +52,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -72,7 +73,7 @@ from rayfl.algorithms.heterofl import (
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
 from rayfl.models.zoo import resnet_width
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +92,30 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FedFDParams(HeteroFLParams):
-    """FedFD hyperparameters (plus HeteroFL's `global_arch`, `static_bn`, `scaler`, `weighting`).
+    """FedFD hyperparameters (plus HeteroFL's `global_arch`, `static_bn`, `scaler`, `weighting`)."""
 
-    Attributes:
-        distill: `feature` (FedFD), `logit` (FedDF-style averaged logits) or `both`.
-        projection: `orthogonal` (FedFD), `linear` (ablation) or `identity` (equal sizes only).
-        steps: distillation minibatches per round (0 turns distillation off: HeteroFL).
-        lr: distillation learning rate (the paper: 0.01).
-        optimizer: distillation optimizer; SGD uses `momentum`, both use `train.weight_decay`.
-        momentum: SGD momentum of the distillation optimizer.
-        T: softmax temperature over feature dimensions (and logits).
-        batch_size: distillation minibatch size; null takes `train.batch_size`.
-        self_group: also distil from the clients of the global model's own width (the paper
-            leaves that group out).
-    """
-
-    distill: Literal["feature", "logit", "both"] = "feature"
-    projection: Literal["orthogonal", "linear", "identity"] = "orthogonal"
-    steps: int = 50
-    lr: float = 0.01
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = 0.9
-    T: float = 1.0
-    batch_size: int | None = None
-    self_group: bool = False
+    distill: Literal["feature", "logit", "both"] = setting(
+        "feature", "`feature` (FedFD), `logit` (FedDF-style averaged logits) or `both`"
+    )
+    projection: Literal["orthogonal", "linear", "identity"] = setting(
+        "orthogonal", "`orthogonal` (FedFD), `linear` (ablation) or `identity` (equal sizes only)"
+    )
+    steps: int = setting(
+        50, "distillation minibatches per round (0 turns distillation off: HeteroFL)"
+    )
+    lr: float = setting(0.01, "distillation learning rate (the paper: 0.01)")
+    optimizer: Literal["sgd", "adam"] = setting(
+        "sgd", "distillation optimizer; SGD uses `momentum`, both use `train.weight_decay`"
+    )
+    momentum: float = setting(0.9, "SGD momentum of the distillation optimizer")
+    T: float = setting(1.0, "softmax temperature over feature dimensions (and logits)")
+    batch_size: int | None = setting(
+        None, "distillation minibatch size; null takes `train.batch_size`"
+    )
+    self_group: bool = setting(
+        False,
+        "also distil from the clients of the global model's own width (the paper leaves that group out)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -48,6 +48,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -63,17 +64,19 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 HEAD, GEN, LABELS = "head.", "gen.", "label_counts"
 
 
 @dataclass(frozen=True)
 class FedGenParams:
-    noise_dim: int = 32  # size of the generator's uniform noise (HtFLlib total.sh -nd 32)
-    hidden_dim: int = 512  # width of the generator's hidden layer (HtFLlib -hd 512)
-    generator_lr: float = 0.1  # the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)
-    server_epochs: int = 100  # Adam steps of the generator per round (HtFLlib -se 100)
+    noise_dim: int = setting(32, "size of the generator's uniform noise (HtFLlib total.sh -nd 32)")
+    hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)")
+    generator_lr: float = setting(
+        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)"
+    )
+    server_epochs: int = setting(100, "Adam steps of the generator per round (HtFLlib -se 100)")
 
     def __post_init__(self) -> None:
         require(self.noise_dim >= 1, "algorithm.noise_dim", "must be at least 1")

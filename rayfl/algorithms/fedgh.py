@@ -30,6 +30,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -44,14 +45,16 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedGHParams:
-    server_epochs: int = 100  # passes of the header's training over the round's prototypes
-    server_lr: float = 0.01  # the header's own SGD learning rate
-    freeze_header: bool = False  # true: clients train only the extractor under the global header
+    server_epochs: int = setting(100, "passes of the header's training over the round's prototypes")
+    server_lr: float = setting(0.01, "the header's own SGD learning rate")
+    freeze_header: bool = setting(
+        False, "true: clients train only the extractor under the global header"
+    )
 
     def __post_init__(self) -> None:
         require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")

@@ -57,6 +57,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -73,19 +74,26 @@ from rayfl.algorithms.fml import check_choice, check_shared_arch, mean_weights, 
 from rayfl.algorithms.functional import svd_compress, svd_decompress
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedKDParams:
-    mentee: str | None = None  # shared mentee architecture; None: the family's smallest
-    T: float = 1.0  # distillation temperature (HtFLlib: none, i.e. 1)
-    svd_energy: float | None = None  # e.g. 0.95: SVD-compress mentee updates keeping this energy
-    # KL averaged per entry (HtFLlib's nn.KLDivLoss() default) or per sample (batchmean)
-    kl_reduction: Literal["mean", "batchmean"] = "mean"
-    detach: bool = False  # true: KL targets and the 1/(CE+CE_g) scale detached (HtFLlib: not)
-    hidden: bool = True  # hidden-state loss MSE(h, W h_g) / (CE+CE_g) through a local map W
-    weighting: Literal["uniform", "samples"] = "uniform"  # server mean (HtFLlib: uniform)
+    mentee: str | None = setting(None, "shared mentee architecture; None: the family's smallest")
+    T: float = setting(1.0, "distillation temperature (HtFLlib: none, i.e. 1)")
+    svd_energy: float | None = setting(
+        None, "e.g. 0.95: SVD-compress mentee updates keeping this energy"
+    )
+    kl_reduction: Literal["mean", "batchmean"] = setting(
+        "mean", "KL averaged per entry (HtFLlib's nn.KLDivLoss() default) or per sample (batchmean)"
+    )
+    detach: bool = setting(
+        False, "true: KL targets and the 1/(CE+CE_g) scale detached (HtFLlib: not)"
+    )
+    hidden: bool = setting(
+        True, "hidden-state loss MSE(h, W h_g) / (CE+CE_g) through a local map W"
+    )
+    weighting: Literal["uniform", "samples"] = setting("uniform", "server mean (HtFLlib: uniform)")
 
     def __post_init__(self) -> None:
         check_shared_arch(self.mentee, "algorithm.mentee")

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Batch,
     ClientContext,
@@ -65,18 +66,22 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import SplitModel, build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedL2GParams:
-    # what the guiding vectors guide: the features (FedL2G-feat) or the logits (FedL2G-logit)
-    guide: Literal["feature", "logit"] = "feature"
-    server_lr: float = 0.01  # SGD step size of the guiding vectors (HtFLlib -slr 0.01)
-    warm_up_rounds: int = 50  # first rounds with meta-learning only, no local training (-wu 50)
-    study_batches: int = 1  # batches of the look-ahead step (HtFLlib -mdb 1)
-    quiz_batches: int = 1  # batches that score the look-ahead model (HtFLlib -mqb 1)
-    clip: float = 100.0  # max norm of the aggregated guide gradient (HtFLlib: 100)
+    guide: Literal["feature", "logit"] = setting(
+        "feature",
+        "what the guiding vectors guide: the features (FedL2G-feat) or the logits (FedL2G-logit)",
+    )
+    server_lr: float = setting(0.01, "SGD step size of the guiding vectors (HtFLlib -slr 0.01)")
+    warm_up_rounds: int = setting(
+        50, "first rounds with meta-learning only, no local training (-wu 50)"
+    )
+    study_batches: int = setting(1, "batches of the look-ahead step (HtFLlib -mdb 1)")
+    quiz_batches: int = setting(1, "batches that score the look-ahead model (HtFLlib -mqb 1)")
+    clip: float = setting(100.0, "max norm of the aggregated guide gradient (HtFLlib: 100)")
 
     def __post_init__(self) -> None:
         require(

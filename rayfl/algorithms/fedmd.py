@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -41,18 +42,22 @@ from rayfl.algorithms.base import (
     Trainer,
 )
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedMDParams:
-    # the first this many public samples are the shared set (all of them when the split is
-    # smaller): 5000, the official code's N_alignment (diogenes0319/FedMD_clean conf/*.json),
-    # which draws a fresh random 5000 each round where rayfl keeps the same ones
-    public_samples: int = 5000
-    digest_epochs: int = 1  # passes fitting the consensus (official N_logits_matching_round 1)
-    digest_loss: Literal["l1", "mse"] = "l1"  # l1: the paper's code (mean absolute error on logits)
-    digest_lr: float | None = None  # None: train.lr
+    public_samples: int = setting(
+        5000,
+        "the first this many public samples are the shared set (all of them when the split is smaller): 5000, the official code's N_alignment (diogenes0319/FedMD_clean conf/*.json), which draws a fresh random 5000 each round where rayfl keeps the same ones",
+    )
+    digest_epochs: int = setting(
+        1, "passes fitting the consensus (official N_logits_matching_round 1)"
+    )
+    digest_loss: Literal["l1", "mse"] = setting(
+        "l1", "l1: the paper's code (mean absolute error on logits)"
+    )
+    digest_lr: float | None = setting(None, "None: train.lr")
 
     def __post_init__(self) -> None:
         require(self.public_samples >= 1, "algorithm.public_samples", "must be at least 1")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ClientContext,
@@ -55,15 +56,19 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fml import check_shared_arch, shared_arch
 from rayfl.errors import require
 from rayfl.models import SplitModel, build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedMRLParams:
-    # shared small homogeneous model's architecture; None: the family's smallest (as FML's meme)
-    extractor: str | None = None
-    # its representation size d1 (pooled down to it); None: the architecture's own feature size
-    sub_feature_dim: int | None = None
+    extractor: str | None = setting(
+        None,
+        "shared small homogeneous model's architecture; None: the family's smallest (as FML's meme)",
+    )
+    sub_feature_dim: int | None = setting(
+        None,
+        "its representation size d1 (pooled down to it); None: the architecture's own feature size",
+    )
 
     def __post_init__(self) -> None:
         check_shared_arch(self.extractor, "algorithm.extractor")

@@ -14,9 +14,8 @@ Deviations: none with one architecture.
 
 from __future__ import annotations
 
-from rayfl.algorithms.base import Algorithm, NoParams, P
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, NoParams, P
 from rayfl.algorithms.groups import GroupClient, GroupServer
-from rayfl.registry import ALGORITHMS
 
 
 class FedPerClient(GroupClient[P]):

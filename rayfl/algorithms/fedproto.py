@@ -47,6 +47,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -55,19 +56,26 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedProtoParams:
-    lam: float = 1.0  # weight of the prototype distance (the paper's lambda; official default 1)
-    # what the client deploys: the nearest global prototype (the paper's and the official
-    # code's inference; HtFLlib scores FedProto this way) or its own head
-    predict: Literal["head", "prototype"] = "prototype"
-    # prototypes from the representations of the training steps (official) or from a pass after
-    collect: Literal["train", "after"] = "train"
-    # global prototype: unweighted mean over clients (official) or weighted by class counts
-    average: Literal["clients", "samples"] = "clients"
+    lam: float = setting(
+        1.0, "weight of the prototype distance (the paper's lambda; official default 1)"
+    )
+    predict: Literal["head", "prototype"] = setting(
+        "prototype",
+        "what the client deploys: the nearest global prototype (the paper's and the official code's inference; HtFLlib scores FedProto this way) or its own head",
+    )
+    collect: Literal["train", "after"] = setting(
+        "train",
+        "prototypes from the representations of the training steps (official) or from a pass after",
+    )
+    average: Literal["clients", "samples"] = setting(
+        "clients",
+        "global prototype: unweighted mean over clients (official) or weighted by class counts",
+    )
 
     def __post_init__(self) -> None:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")

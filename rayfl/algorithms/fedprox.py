@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     Payload,
@@ -25,12 +26,14 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedProxParams:
-    mu: float = 0.01  # proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})
+    mu: float = setting(
+        0.01, "proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})"
+    )
 
     def __post_init__(self) -> None:
         require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayfl.algorithms.base import Algorithm, Trainer
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, Trainer
 from rayfl.algorithms.groups import GroupClient, GroupServer, frozen
 from rayfl.errors import require
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedRepParams:
-    head_epochs: int = 1  # passes training the head (extractor frozen) before the extractor's
+    head_epochs: int = setting(
+        1, "passes training the head (extractor frozen) before the extractor's"
+    )
 
     def __post_init__(self) -> None:
         require(self.head_epochs >= 1, "algorithm.head_epochs", "must be >= 1")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     NoParams,
@@ -37,7 +38,6 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.groups import GroupClient, GroupServer
 from rayfl.models.base import SplitModel
-from rayfl.registry import ALGORITHMS
 
 
 def balanced_softmax_loss(

@@ -46,6 +46,7 @@ from torch import nn
 
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Payload,
     Reply,
@@ -59,24 +60,28 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.fedproto import FedProtoClient
 from rayfl.errors import require
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class FedTGPParams:
-    # weight of the distance to the global prototype: 10 as in the official FedTGP code
-    # (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it
-    # follows FedProto's lambda of 10 (clienttgp.py). At 0.1 both libraries land ~11 points below
-    # Local on Fashion-MNIST (issue 28); at 10 within ~2 points.
-    lam: float = 10.0
-    predict: Literal["head", "prototype"] = "prototype"  # the paper's inference: nearest prototype
-    # the official FedTGP client collects its prototypes after training, in eval mode
-    # (clienttgp.py `collect_protos`); `train`: during training, as FedProto's official code
-    collect: Literal["train", "after"] = "after"
-    server_epochs: int = 100  # epochs of ACL over the uploaded prototypes per round (paper: S)
-    margin_threshold: float = 100.0  # upper bound of the adaptive margin (paper: tau)
-    server_lr: float | None = None  # generator's SGD learning rate (None: train.lr)
-    hidden_dim: int | None = None  # generator's hidden width (None: the feature size)
+    lam: float = setting(
+        10.0,
+        "weight of the distance to the global prototype: 10 as in the official FedTGP code (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it follows FedProto's lambda of 10 (clienttgp.py). At 0.1 both libraries land ~11 points below Local on Fashion-MNIST (issue 28); at 10 within ~2 points.",
+    )
+    predict: Literal["head", "prototype"] = setting(
+        "prototype", "the paper's inference: nearest prototype"
+    )
+    collect: Literal["train", "after"] = setting(
+        "after",
+        "the official FedTGP client collects its prototypes after training, in eval mode (clienttgp.py `collect_protos`); `train`: during training, as FedProto's official code",
+    )
+    server_epochs: int = setting(
+        100, "epochs of ACL over the uploaded prototypes per round (paper: S)"
+    )
+    margin_threshold: float = setting(100.0, "upper bound of the adaptive margin (paper: tau)")
+    server_lr: float | None = setting(None, "generator's SGD learning rate (None: train.lr)")
+    hidden_dim: int | None = setting(None, "generator's hidden width (None: the feature size)")
 
     def __post_init__(self) -> None:
         require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ClientContext,
@@ -57,8 +58,9 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import require
 from rayfl.models import build_model
+from rayfl.models.base import MODELS
 from rayfl.models.zoo import AUXILIARY_MODELS
-from rayfl.registry import ALGORITHMS, MODELS
+from rayfl.schema import setting
 
 
 def check_shared_arch(name: str | None, key: str) -> None:
@@ -93,16 +95,23 @@ def shared_arch(
 
 @dataclass(frozen=True)
 class FMLParams:
-    meme: str | None = None  # shared meme architecture; None: the family's smallest (shared_arch)
-    alpha: float = 0.5  # private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5
-    beta: float = 0.5  # meme: weight of CE (1 - beta on the KL to the private model); paper 0.5
-    T: float = 1.0  # KL temperature (the paper uses plain softmax, T = 1)
-    # KL averaged per entry (HtFLlib's nn.KLDivLoss() default, divides by the classes too) or
-    # per sample (batchmean)
-    kl_reduction: Literal["mean", "batchmean"] = "mean"
-    detach: bool = False  # true: each KL trains its own model only (HtFLlib: both models)
-    weighting: Literal["uniform", "samples"] = (
-        "uniform"  # server mean of the memes (HtFLlib: uniform)
+    meme: str | None = setting(
+        None, "shared meme architecture; None: the family's smallest (shared_arch)"
+    )
+    alpha: float = setting(
+        0.5, "private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5"
+    )
+    beta: float = setting(
+        0.5, "meme: weight of CE (1 - beta on the KL to the private model); paper 0.5"
+    )
+    T: float = setting(1.0, "KL temperature (the paper uses plain softmax, T = 1)")
+    kl_reduction: Literal["mean", "batchmean"] = setting(
+        "mean",
+        "KL averaged per entry (HtFLlib's nn.KLDivLoss() default, divides by the classes too) or per sample (batchmean)",
+    )
+    detach: bool = setting(False, "true: each KL trains its own model only (HtFLlib: both models)")
+    weighting: Literal["uniform", "samples"] = setting(
+        "uniform", "server mean of the memes (HtFLlib: uniform)"
     )
 
     def __post_init__(self) -> None:

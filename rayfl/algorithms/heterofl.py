@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     ClientContext,
     ModelClient,
@@ -50,7 +51,7 @@ from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
 from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
 from rayfl.models.zoo import ResNet18, resnet_width
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 __all__ = [
     "HeteroFLClient",
@@ -72,21 +73,20 @@ def _is_width_arch(arch: str) -> bool:
 
 @dataclass(frozen=True)
 class HeteroFLParams:
-    """HeteroFL hyperparameters.
+    """HeteroFL hyperparameters."""
 
-    Attributes:
-        global_arch: the server's model; every client architecture must be a width-scaled
-            ResNet-18 no wider than it (`resnet18` is width 1.0).
-        static_bn: batch norm without running statistics (HeteroFL's static BN).
-        scaler: divide activations by the width rate during training (HeteroFL's scaler).
-        weighting: per-entry average over the clients holding the entry, `uniform` (the
-            paper) or weighted by each client's sample count (`samples`).
-    """
-
-    global_arch: str = "resnet18"
-    static_bn: bool = True
-    scaler: bool = True
-    weighting: Literal["uniform", "samples"] = "uniform"
+    global_arch: str = setting(
+        "resnet18",
+        "the server's model; every client architecture must be a width-scaled ResNet-18 no wider than it (`resnet18` is width 1.0)",
+    )
+    static_bn: bool = setting(True, "batch norm without running statistics (HeteroFL's static BN)")
+    scaler: bool = setting(
+        True, "divide activations by the width rate during training (HeteroFL's scaler)"
+    )
+    weighting: Literal["uniform", "samples"] = setting(
+        "uniform",
+        "per-entry average over the clients holding the entry, `uniform` (the paper) or weighted by each client's sample count (`samples`)",
+    )
 
     def __post_init__(self) -> None:
         require(

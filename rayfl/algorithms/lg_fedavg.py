@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     AveragingServer,
     ModelClient,
@@ -26,7 +27,6 @@ from rayfl.algorithms.base import (
     to_numpy,
 )
 from rayfl.models import build_model
-from rayfl.registry import ALGORITHMS
 
 
 class LGFedAvgClient(ModelClient[NoParams]):

@@ -9,8 +9,7 @@ Server: nothing.
 
 from __future__ import annotations
 
-from rayfl.algorithms.base import Algorithm, ModelClient, NoParams, Server
-from rayfl.registry import ALGORITHMS
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, ModelClient, NoParams, Server
 
 
 class LocalClient(ModelClient[NoParams]):

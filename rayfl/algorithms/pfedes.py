@@ -52,6 +52,7 @@ from torch import nn
 
 from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
+    ALGORITHMS,
     Algorithm,
     Client,
     ClientContext,
@@ -68,40 +69,50 @@ from rayfl.algorithms.base import (
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
 from rayfl.models.zoo import InputProxy, ProxyExtractor
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
 class PFedESParams:
-    variant: str = "kd"  # kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS
-    T: float = 4.0  # distillation temperature (kd)
-    # kd: weight of the proxy's KD loss in the objective; the local logits are detached, so it
-    # scales the proxy's gradient only with alpha_scales_proxy, and the reported loss otherwise
-    alpha: float = 0.1
-    # kd: true is the design document's single objective `ce + alpha * kd` under one learning
-    # rate, where the proxy steps by alpha * train.lr (10x slower at alpha 0.1: it stays at
-    # chance, docs/algorithms.md); false: the proxy steps by proxy_lr on its unweighted KD loss
-    alpha_scales_proxy: bool = False
-    beta: float = (
-        0.0  # return path: local model distils from the received proxy (0 = the literal method)
+    variant: str = setting(
+        "kd", "kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS"
     )
-    embed_dim: int = 128  # proxy embedding size (kd)
-    # kd: the proxy's own learning rate (null: train.lr)
-    proxy_lr: float | None = None
-    mu: float = 0.5  # stage-1 weight of the proxied path (input)
-    proxy_epochs: int | None = (
-        None  # stage-2 epochs (input); None: local_epochs + 10 as in the official code
+    T: float = setting(4.0, "distillation temperature (kd)")
+    alpha: float = setting(
+        0.1,
+        "kd: weight of the proxy's KD loss in the objective; the local logits are detached, so it scales the proxy's gradient only with alpha_scales_proxy, and the reported loss otherwise",
     )
-    weight_cap: float | None = None  # server: no client weighs more than this (e.g. 0.3)
-    clip_update: float | None = None  # server: L2 bound on each client's proxy update (e.g. 5.0)
-    ema: float | None = None  # server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)
-    ema_every: int = 1  # server: apply the EMA every k rounds (plain replacement otherwise)
-    # input: one momentum state for G across clients and rounds, as the official code's single
-    # `optimizer_gen` (needs train.optimizer sgd); false: a fresh optimizer per client and round
-    shared_optimizer: bool = False
-    # input: aggregation weights from the training samples (`train`) or from all of a client's
-    # samples, train and test (`all`: the official code counts train + val + test)
-    weights: Literal["train", "all"] = "train"
+    alpha_scales_proxy: bool = setting(
+        False,
+        "kd: true is the design document's single objective `ce + alpha * kd` under one learning rate, where the proxy steps by alpha * train.lr (10x slower at alpha 0.1: it stays at chance, docs/algorithms.md); false: the proxy steps by proxy_lr on its unweighted KD loss",
+    )
+    beta: float = setting(
+        0.0, "return path: local model distils from the received proxy (0 = the literal method)"
+    )
+    embed_dim: int = setting(128, "proxy embedding size (kd)")
+    proxy_lr: float | None = setting(None, "kd: the proxy's own learning rate (null: train.lr)")
+    mu: float = setting(0.5, "stage-1 weight of the proxied path (input)")
+    proxy_epochs: int | None = setting(
+        None, "stage-2 epochs (input); None: local_epochs + 10 as in the official code"
+    )
+    weight_cap: float | None = setting(None, "server: no client weighs more than this (e.g. 0.3)")
+    clip_update: float | None = setting(
+        None, "server: L2 bound on each client's proxy update (e.g. 5.0)"
+    )
+    ema: float | None = setting(
+        None, "server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)"
+    )
+    ema_every: int = setting(
+        1, "server: apply the EMA every k rounds (plain replacement otherwise)"
+    )
+    shared_optimizer: bool = setting(
+        False,
+        "input: one momentum state for G across clients and rounds, as the official code's single `optimizer_gen` (needs train.optimizer sgd); false: a fresh optimizer per client and round",
+    )
+    weights: Literal["train", "all"] = setting(
+        "train",
+        "input: aggregation weights from the training samples (`train`) or from all of a client's samples, train and test (`all`: the official code counts train + val + test)",
+    )
 
     def __post_init__(self) -> None:
         require(

@@ -26,7 +26,7 @@ Server: per-class count-weighted average of the tables.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,19 @@ from rayfl.algorithms.base import (
     Trainer,
 )
 
-if TYPE_CHECKING:
-    from rayfl.algorithms.pfedes import PFedESParams
+
+class StatsParams(Protocol):
+    """What this variant reads of `rayfl.algorithms.pfedes.PFedESParams` (a protocol, so that
+    the two modules do not import each other)."""
+
+    @property
+    def alpha(self) -> float: ...
+
+    @property
+    def T(self) -> float: ...
+
+
+P = TypeVar("P", bound=StatsParams)
 
 
 def class_kd_loss(
@@ -72,12 +83,12 @@ def class_kd_loss(
     return (per_sample * known).mean() * (t * t)
 
 
-class PFedESStatsClient(ModelClient["PFedESParams"]):
+class PFedESStatsClient(ModelClient[P]):
     """Trains the local model with CE plus distillation from the received class table."""
 
     deployed_uses_payload = False  # deploys its local model
 
-    def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
+    def __init__(self, ctx: ClientContext, params: P) -> None:
         super().__init__(ctx, params)
         c = ctx.num_classes
         self.table, self.counts = torch.zeros(c, c), torch.zeros(c)
@@ -115,8 +126,8 @@ class PFedESStatsClient(ModelClient["PFedESParams"]):
         return self.stats
 
 
-class PFedESStatsServer(protos.ClassTableServer["PFedESParams"]):
+class PFedESStatsServer(protos.ClassTableServer[P]):
     prefix = "pfedes"
 
-    def __init__(self, ctx: ServerContext, params: PFedESParams) -> None:
+    def __init__(self, ctx: ServerContext, params: P) -> None:
         super().__init__(ctx, params, dim=ctx.num_classes)

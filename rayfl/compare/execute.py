@@ -25,11 +25,11 @@ from rayfl.compare.results import (
     mean_col,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
-from rayfl.config import RunConfig
 from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.locking import FileLock
 from rayfl.safefile import read_table, write_atomic
+from rayfl.schema import RunConfig
 from rayfl.tables import write_table
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 def preflight(suite: Suite) -> None:
     """Checks that need the dataset's shape (feature sizes), before hours of runs start."""
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.data.datasets import load_dataset
     from rayfl.models.families import family_from_config
-    from rayfl.registry import ALGORITHMS
 
     shapes: dict[str, tuple[tuple[int, ...], int]] = {}
     for run in suite.runs:
@@ -169,7 +169,7 @@ def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], R
     """Placement-group bundles for one run given `share` of the cluster's CPUs/GPUs, and the
     config with `engine.num_workers` fixed to the bundles it gets. Bundle 0 is the run's driver
     (a sliver of CPU for a Ray-executor run; the whole training for a serial one)."""
-    from rayfl.config import clients_per_round
+    from rayfl.schema import clients_per_round
 
     e = cfg.engine
     w = e.worker_resources

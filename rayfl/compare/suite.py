@@ -8,15 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rayfl.config import (
-    RunConfig,
-    build_config,
-    parse_override,
-    read_yaml,
-    resolve_base_file,
-    set_dotted,
-)
+from rayfl.config import build_config, parse_override, read_yaml, resolve_base_file, set_dotted
 from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.schema import RunConfig
 
 SUITE_KEYS = (
     "suite",

@@ -1,10 +1,20 @@
 """Datasets as numpy arrays, partitioners, and federations (client splits + public split).
 
-Importing this package registers the built-in datasets and partitioners; it never imports
-ray or mlflow.
+Importing this package registers the built-in datasets (`DATASETS`) and partitioners
+(`PARTITIONERS`); it never imports ray or mlflow.
 """
 
-from rayfl.data.datasets import ArrayDataset, load_dataset
+from rayfl.data import cifar, folder, tinyimagenet  # noqa: F401  (registration)
+from rayfl.data.datasets import DATASETS, ArrayDataset, load_dataset
 from rayfl.data.federated import ClientSplit, Federation, build_federation
+from rayfl.data.partition import PARTITIONERS
 
-__all__ = ["ArrayDataset", "ClientSplit", "Federation", "build_federation", "load_dataset"]
+__all__ = [
+    "DATASETS",
+    "PARTITIONERS",
+    "ArrayDataset",
+    "ClientSplit",
+    "Federation",
+    "build_federation",
+    "load_dataset",
+]

@@ -7,7 +7,7 @@ whole dataset is never copied to float32 (a worker can read it zero-copy from Ra
 Loaders read the real on-disk formats themselves (IDX here; CIFAR's python batches in
 `rayfl.data.cifar`, never with a plain unpickler; the `tiny-imagenet-200` folder in
 `rayfl.data.tinyimagenet`) and fall back to a torchvision download only when the files are
-missing. They are registered by name in `rayfl.registry.DATASETS` and called through
+missing. They are registered by name in `DATASETS` and called through
 `load_dataset(name, root, **options)`.
 """
 
@@ -25,7 +25,10 @@ import numpy as np
 import torch
 
 from rayfl.errors import ConfigError, UserError, suggest
-from rayfl.registry import DATASETS
+from rayfl.registry import Registry
+
+# Dataset name -> loader; the built-ins are registered here and in cifar, tinyimagenet, folder.
+DATASETS: Registry[Any] = Registry("dataset", group="rayfl.datasets")
 
 logger = logging.getLogger(__name__)
 

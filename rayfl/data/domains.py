@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,9 +36,8 @@ from rayfl.errors import ConfigError, require
 from rayfl.seeding import Purpose, rng_of, seed_of, words
 
 if TYPE_CHECKING:
-    from rayfl.config import DomainsConfig
     from rayfl.data.datasets import ArrayDataset
-    from rayfl.data.federated import Federation
+    from rayfl.schema import DomainsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,15 +137,16 @@ class DomainPlan:
                 parts[int(cid)] = pool[part]
         return parts
 
-    def apply(self, fed: Federation, seed: int) -> Federation:
-        """The federation with shifted inputs and its `client_domain` / `eval_only` set."""
-        ds = fed.dataset
+    def apply(
+        self, ds: ArrayDataset, samples: Sequence[np.ndarray], seed: int
+    ) -> tuple[ArrayDataset, tuple[str, ...] | None, tuple[int, ...]]:
+        """The dataset with shifted inputs (client i's samples at positions `samples[i]` of
+        `x_train`), and the federation's `client_domain` and `eval_only` fields."""
         rgb = not self.real and transforms.needs_rgb(self.names) and ds.x_train.shape[1] == 1
         x_train, x_test = _widen(ds.x_train, rgb), _widen(ds.x_test, rgb)
-        n = fed.num_clients
-        shifted = fed.clients if (self.noise or not self.real) else ()
-        for cid, split in enumerate(shifted):
-            idx = np.concatenate([split.train, split.test])
+        n = len(samples)
+        shifted = samples if (self.noise or not self.real) else ()
+        for cid, idx in enumerate(shifted):
             rng = rng_of(words(Purpose.DATA_SHIFT, seed, client=cid))
             x = x_train[idx].astype(np.float32) / ds.scale
             if not self.real and self.names:
@@ -169,11 +169,10 @@ class DomainPlan:
             std=ds.std * channels if rgb else ds.std,
         )
         names = self.names
-        return dataclasses.replace(
-            fed,
-            dataset=dataset,
-            client_domain=tuple(names[d] for d in self.client_domain) if names else None,
-            eval_only=tuple(int(c) for c in np.flatnonzero(self.client_domain == self.held_out))
+        return (
+            dataset,
+            tuple(names[d] for d in self.client_domain) if names else None,
+            tuple(int(c) for c in np.flatnonzero(self.client_domain == self.held_out))
             if self.held_out is not None
             else (),
         )

@@ -2,7 +2,7 @@
 
 `build_federation` turns a dataset and a partitioner name into index arrays (never copies of
 the data), deterministically in the seed. `save_partition` writes them as Parquet so a run's
-split can be inspected and reproduced; `plot_label_distribution` draws the label skew.
+split can be inspected and reproduced (`rayfl.tracking.plots.plot_class_counts` draws it).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import numpy as np
 
 from rayfl.data.datasets import ArrayDataset
 from rayfl.data.domains import plan_for
+from rayfl.data.partition import PARTITIONERS
 from rayfl.errors import ConfigError, suggest
-from rayfl.registry import PARTITIONERS
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
-    from rayfl.config import DomainsConfig
+    from rayfl.schema import DomainsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,9 @@ def build_federation(
         )
     fed = Federation(dataset=dataset, clients=clients, public=public)
     if plan is not None:  # the inputs' feature shift, once, on copies of the arrays
-        fed = plan.apply(fed, seed)
+        samples = [np.concatenate([c.train, c.test]) for c in clients]
+        shifted, client_domain, eval_only = plan.apply(dataset, samples, seed)
+        fed = replace(fed, dataset=shifted, client_domain=client_domain, eval_only=eval_only)
     sizes = [c.num_samples for c in clients]
     logger.info(
         "%s: %d clients (%s), train sizes %d..%d, %d public",
@@ -370,11 +372,3 @@ def load_partition(path: str | Path) -> dict[str, Any]:
         },
         "public": pick(PUBLIC_CLIENT, "public"),
     }
-
-
-def plot_label_distribution(fed: Federation, path: str | Path) -> Path:
-    """Save a chart of each client's training class counts as PNG
-    (`rayfl.tracking.plots.plot_class_counts`); returns `path`."""
-    from rayfl.tracking.plots import plot_class_counts
-
-    return plot_class_counts(fed.class_counts("train"), fed.dataset.name, path)

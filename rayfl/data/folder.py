@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from rayfl.data.datasets import ArrayDataset, _check_options
+from rayfl.data.datasets import DATASETS, ArrayDataset, _check_options
 from rayfl.errors import ConfigError, UserError
-from rayfl.registry import DATASETS
 
 logger = logging.getLogger(__name__)
 

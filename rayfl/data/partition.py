@@ -4,18 +4,22 @@ Every partitioner has the signature
 `fn(labels, num_clients, seed, **options) -> list[np.ndarray]` and returns sorted int64 index
 arrays into `labels`, pairwise disjoint. `iid`, `dirichlet` and `quantity` cover every index;
 `pathological` covers the classes it assigns. The same seed gives the same partition.
-They are registered in `rayfl.registry.PARTITIONERS`, and named in configs as
+They are registered in `PARTITIONERS`, and named in configs as
 `data.partition.name`, with options under `data.partition.<option>`.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 
 from rayfl.errors import ConfigError, UserError
-from rayfl.registry import PARTITIONERS
+from rayfl.registry import Registry
+
+# Partitioner name -> function splitting the labels into client index sets.
+PARTITIONERS: Registry[Any] = Registry("partitioner")
 
 logger = logging.getLogger(__name__)
 

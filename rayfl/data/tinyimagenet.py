@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 
 from rayfl.data import datasets
-from rayfl.data.datasets import ArrayDataset
+from rayfl.data.datasets import DATASETS, ArrayDataset
 from rayfl.errors import UserError
-from rayfl.registry import DATASETS
 
 logger = logging.getLogger(__name__)
 

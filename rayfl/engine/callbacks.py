@@ -1,4 +1,5 @@
-"""Cross-cutting concerns of a run, as callbacks: progress bar, run directory, tracker, checkpoints."""
+"""Cross-cutting concerns of a run, as callbacks (`rayfl.engine.hooks.Callback`): progress bar,
+run directory, tracker; checkpoints are `rayfl.engine.checkpoint.Checkpoint`."""
 
 from __future__ import annotations
 
@@ -12,54 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rayfl.config import RunConfig, to_dict
-from rayfl.engine.rundir import strict_json
+from rayfl.engine.hooks import Callback
 from rayfl.safefile import write_atomic
-from rayfl.tables import write_table
+from rayfl.schema import RunConfig, to_dict
+from rayfl.tables import strict_json, write_table
 from rayfl.tracking.plots import plot_run
+from rayfl.version import __version__
 
 if TYPE_CHECKING:
-    from rayfl.engine.checkpoint import Restored
-    from rayfl.engine.executor import Executor
     from rayfl.engine.loop import Simulation
     from rayfl.tracking.base import Tracker
 
 log = logging.getLogger(__name__)
-
-
-class Callback:
-    """Hooks the round loop calls; `should_stop` ends the run after the current round.
-
-    Callbacks read what the loop passes them and never write into the simulation: a callback
-    that restores a run returns the state from `resume_state` and the loop applies it.
-    """
-
-    should_stop = False
-
-    def resume_state(self, cfg: RunConfig) -> Restored | None:
-        """A checkpoint to continue from, or None; called once before `on_run_start`."""
-        return None
-
-    def on_run_start(self, sim: Simulation) -> None:
-        pass
-
-    def on_round_state(
-        self,
-        cfg: RunConfig,
-        round_idx: int,
-        participants: Sequence[int],
-        executor: Executor,
-        history: list[dict[str, float]],
-    ) -> None:
-        """After a round, before `on_round_end`: the round's participants and where the client and
-        server states live (checkpoints read them; nothing else should need this)."""
-
-    def on_round_end(self, sim: Simulation, round_idx: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def on_run_end(self, sim: Simulation, status: str) -> None:
-        """After the last round (also when the run failed or was stopped), before the executor
-        shuts down; `sim.result.error` holds what ended a FAILED run."""
 
 
 HEALTH_MARGIN = 0.05  # a proxy within this much accuracy of chance has not learned
@@ -209,10 +174,8 @@ def versions() -> dict[str, str]:
     import ray
     import torch
 
-    import rayfl
-
     return {
-        "rayfl": rayfl.__version__,
+        "rayfl": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,

@@ -42,8 +42,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfl.config import RunConfig, to_dict
-from rayfl.engine.callbacks import Callback
+from rayfl.engine.hooks import Callback
 from rayfl.errors import UserError
 from rayfl.safefile import (
     JSON_LIMIT,
@@ -56,6 +55,7 @@ from rayfl.safefile import (
     real_dir,
     unique_suffix,
 )
+from rayfl.schema import RunConfig, to_dict
 
 if TYPE_CHECKING:
     from rayfl.engine.executor import Executor
@@ -281,8 +281,8 @@ def client_templates(spec: RunSpec) -> Callable[[int], Any]:
     built per architecture, on the CPU."""
     import torch
 
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.engine.worker import BASELINE, CONTROL, CONTROL_ACC
-    from rayfl.registry import ALGORITHMS
 
     cache: dict[str, Any] = {}
 

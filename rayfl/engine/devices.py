@@ -34,7 +34,7 @@ import numpy as np
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
-    from rayfl.config import DevicesConfig, RunConfig
+    from rayfl.schema import DevicesConfig, RunConfig
 
 BACKWARD_FACTOR = 3.0  # a training step costs about three forward passes (forward + backward)
 

@@ -21,15 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
-from rayfl.config import RunConfig, clients_per_round
+from rayfl.data import PARTITIONERS
 from rayfl.data.datasets import load_dataset
 from rayfl.data.federated import Federation, build_federation
-from rayfl.engine.callbacks import Callback
 from rayfl.engine.checkpoint import Restored, client_templates
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
 from rayfl.engine.executor import Executor, SerialExecutor
+from rayfl.engine.hooks import Callback
 from rayfl.engine.metrics import (
     SCORE_KEYS,
     at_best_val,
@@ -38,14 +39,14 @@ from rayfl.engine.metrics import (
     summarize_clients,
 )
 from rayfl.engine.ray_executor import RayExecutor
-from rayfl.engine.sampling import sample_clients
 from rayfl.engine.spec import RunSpec
 from rayfl.engine.startup import StartupClock, spill_dir
 from rayfl.engine.worker import ClientMetrics
 from rayfl.errors import UserError
 from rayfl.models.families import family_from_config
 from rayfl.privacy import hook_for
-from rayfl.registry import ALGORITHMS, PARTITIONERS
+from rayfl.sampling import sample_clients
+from rayfl.schema import RunConfig, clients_per_round
 
 log = logging.getLogger(__name__)
 

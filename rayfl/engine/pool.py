@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rayfl.config import EngineConfig, Resources
 from rayfl.errors import UserError
 from rayfl.resources import check_fits, fit_pools, worker_capacity
+from rayfl.schema import EngineConfig, Resources
 
 if TYPE_CHECKING:
     from rayfl.algorithms.base import Payload
@@ -155,8 +155,8 @@ def run_shapes(cfg: Any, total: Mapping[str, float], one_each: bool = False) -> 
     per shape unless `engine.num_workers` asks for more (a Tune trial's default)."""
     import dataclasses
 
-    from rayfl.config import clients_per_round
     from rayfl.models.families import family_from_config
+    from rayfl.schema import clients_per_round
 
     e = cfg.engine
     archs = family_from_config(cfg.model.family, cfg.model.architectures).assign(

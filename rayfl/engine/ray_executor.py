@@ -23,7 +23,6 @@ from typing import Any
 import ray
 
 from rayfl.algorithms.base import Payload
-from rayfl.config import server_in_driver
 from rayfl.data.federated import Federation
 from rayfl.engine.executor import Executor, StateView, batches, longest_first
 from rayfl.engine.pool import arch_shapes, start_workers
@@ -32,6 +31,7 @@ from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray_for_run
 from rayfl.engine.worker import ClientMetrics
 from rayfl.errors import UserError
+from rayfl.schema import server_in_driver
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,7 @@ through :mod:`rayfl.safefile`.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import re
 import stat
@@ -31,9 +29,10 @@ from rayfl.safefile import (
     temp_path,
     write_atomic,
 )
+from rayfl.tables import strict_json
 
 if TYPE_CHECKING:
-    from rayfl.config import RunConfig
+    from rayfl.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,22 +87,6 @@ def _check_tree(folder: Path, depth: int) -> None:
                 _check_tree(folder / entry.name, depth - 1)
             elif not stat.S_ISREG(mode):
                 raise _refuse_entry(folder / entry.name, mode)
-
-
-def finite_or_none(obj: Any) -> Any:
-    """A copy of nested dicts/lists with NaN and inf floats replaced by None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite_or_none(v) for v in obj]
-    return obj
-
-
-def strict_json(obj: Any, **kwargs: Any) -> str:
-    """JSON that every parser accepts: NaN and inf become null (`allow_nan=False` holds)."""
-    return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
 
 
 def check_writable(run_dir: Path) -> None:

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
-from rayfl.config import TrainConfig
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import (
     RunSpec,
@@ -38,6 +37,7 @@ from rayfl.engine.training import (
 from rayfl.errors import UserError
 from rayfl.models.base import place
 from rayfl.models.sbn import batch_independent
+from rayfl.schema import TrainConfig
 from rayfl.seeding import Purpose, seed_of, server_data_words, words
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
     RoundContext,
     ServerContext,
 )
-from rayfl.config import EngineConfig, TrainConfig
 from rayfl.errors import UserError
-from rayfl.registry import ALGORITHMS
+from rayfl.schema import EngineConfig, TrainConfig
 
 
 @dataclass(frozen=True)

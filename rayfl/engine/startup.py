@@ -29,7 +29,7 @@ import ray
 from rayfl.errors import UserError
 
 if TYPE_CHECKING:
-    from rayfl.config import EngineConfig
+    from rayfl.schema import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfl.algorithms.base import Batch, Client
-from rayfl.config import TrainConfig
 from rayfl.data.datasets import ArrayDataset
 from rayfl.models.sbn import batch_independent
+from rayfl.schema import TrainConfig
 
 
 def logits_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import RunSpec, keep_tensor_memory, seed_torch, torch_threads
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.models.base import place
-from rayfl.registry import ALGORITHMS
 from rayfl.seeding import Purpose, seed_of, words
 
 ClientMetrics = dict[str, Any]

@@ -7,11 +7,15 @@ Prototypes, logits, heads and features can then be shared between heterogeneous 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from rayfl.registry import MODELS
+from rayfl.registry import Registry
+
+# Architecture name -> builder `(in_shape, num_classes) -> SplitModel`; the built-ins are in zoo.
+MODELS: Registry[Any] = Registry("model", group="rayfl.models")
 
 
 class SplitModel(nn.Module):

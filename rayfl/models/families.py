@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rayfl.errors import ConfigError
-from rayfl.models.base import build_model
+from rayfl.models.base import MODELS, build_model
 from rayfl.models.zoo import AUXILIARY_MODELS
-from rayfl.registry import FAMILIES, MODELS
+from rayfl.registry import Registry
 
 __all__ = ["Family", "family_from_config", "get_family"]
 
@@ -166,6 +166,8 @@ def _validate_architectures(archs: Sequence[str], key: str) -> None:
             )
 
 
+# Family name -> `Family`; the built-ins below.
+FAMILIES: Registry[Family] = Registry("model family")
 FAMILIES.add("seed3", Family("seed3", ("cnn_small", "resnet_small", "mlp")))
 FAMILIES.add("cnn5", Family("cnn5", tuple(f"cnn{k}" for k in range(1, 6))))
 FAMILIES.add(

@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 from rayfl.errors import ConfigError
-from rayfl.models.base import SplitModel
-from rayfl.registry import MODELS
+from rayfl.models.base import MODELS, SplitModel
 
 logger = logging.getLogger(__name__)
 

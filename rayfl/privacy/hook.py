@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, Payload, Reply
-from rayfl.config import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.errors import ConfigError, UserError
 from rayfl.privacy import dp, secagg
+from rayfl.schema import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.seeding import Purpose, seed_of, words
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def check_accounting(cfg: RunConfig) -> None:
             "engine.sampling=poisson"
         )
     if cfg.engine.sampling == "poisson" and k < n:
-        # an empty draw is redrawn (rayfl.engine.sampling), which the accountant does not see
+        # an empty draw is redrawn (rayfl.sampling), which the accountant does not see
         empty = cfg.engine.rounds * (1.0 - k / n) ** n
         if empty > d.delta:
             raise ConfigError(
@@ -202,7 +202,7 @@ class PrivacyHook:
         return self.per_round / self.num_clients
 
     def participants(self, round_idx: int) -> list[int]:
-        from rayfl.engine.sampling import sample_clients
+        from rayfl.sampling import sample_clients
 
         return sample_clients(self.seed, round_idx, self.num_clients, self.per_round, self.sampling)
 

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rayfl.version import __version__
+
 COMMAND_ENV = "RAYFL_COMMAND"  # the CLI's command line, inherited by Ray workers and Tune trials
 
 # Config keys that say how a run is recorded, not what it is: never logged as params.
@@ -60,14 +62,12 @@ def _user() -> str:
 
 def provenance_tags() -> dict[str, str]:
     """MLflow's reserved provenance tags plus rayfl's version (git commit only inside a repo)."""
-    import rayfl
-
     command = command_line()
     tags = {
         "mlflow.user": _user(),
         "mlflow.source.name": command,
         "mlflow.source.type": "LOCAL",
-        "rayfl.version": rayfl.__version__,
+        "rayfl.version": __version__,
         "rayfl.command": command,
     }
     commit = git_commit()

@@ -10,10 +10,8 @@ from typing import Any
 
 import yaml
 
-from rayfl.config import (
-    to_dict,
-)
 from rayfl.safefile import write_atomic
+from rayfl.schema import to_dict
 from rayfl.tables import write_table
 from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric
 

@@ -15,7 +15,6 @@ from typing import Any, Literal
 import numpy as np
 
 from rayfl.config import (
-    RunConfig,
     apply_overrides,
     build_config,
     from_dict,
@@ -25,6 +24,7 @@ from rayfl.config import (
     set_dotted,
 )
 from rayfl.errors import ConfigError, require, suggest
+from rayfl.schema import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import (
-    RunConfig,
-)
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.schema import RunConfig
 from rayfl.tune.sweep import Sweep, _probe_values
 
 log = logging.getLogger(__name__)

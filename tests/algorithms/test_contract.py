@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import RoundContext
 from rayfl.config import build_config
 from rayfl.engine.callbacks import Callback
@@ -28,7 +29,6 @@ from rayfl.engine.checkpoint import load_state, state_bytes
 from rayfl.engine.loop import Simulation
 from rayfl.engine.training import logits_of
 from rayfl.errors import ConfigError
-from rayfl.registry import ALGORITHMS
 
 RND = RoundContext(1, 2)  # round 1 of 2
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fd import FDClient, FDParams, FDServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
-from rayfl.registry import ALGORITHMS
 
 RND = RoundContext(1, 2)  # round 1 of 2
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.fedproto import FedProtoClient, FedProtoParams, FedProtoServer
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
-from rayfl.registry import ALGORITHMS
 
 RND = RoundContext(1, 2)  # round 1 of 2
 

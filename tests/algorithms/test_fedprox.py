@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import ClientContext, RoundContext, TrainConfig
 from rayfl.algorithms.fedavg import FedAvgServer
 from rayfl.algorithms.fedprox import FedProxClient, FedProxParams, proximal_term
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.errors import ConfigError
-from rayfl.registry import ALGORITHMS
 
 RND = RoundContext(1, 2)  # round 1 of 2
 

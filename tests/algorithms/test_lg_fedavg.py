@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import (
     ClientContext,
     NoParams,
@@ -12,7 +13,6 @@ from rayfl.algorithms.base import (
     TrainConfig,
 )
 from rayfl.algorithms.lg_fedavg import LGFedAvgClient, LGFedAvgServer
-from rayfl.registry import ALGORITHMS
 
 RND = RoundContext(1, 2)  # round 1 of 2
 

@@ -179,7 +179,7 @@ def test_fedala_keeps_global_lower_layers_and_mixes_the_top_within_bounds():
 
 
 def test_staples_are_registered_and_check_their_params():
-    from rayfl.registry import ALGORITHMS
+    from rayfl.algorithms import ALGORITHMS
 
     for name in STAPLES:
         algo = ALGORITHMS.get(name)

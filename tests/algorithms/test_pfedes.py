@@ -251,8 +251,8 @@ def test_shared_optimizer_continues_from_the_received_momentum():
 
 
 def test_official_weights_count_all_of_a_clients_samples():
+    from rayfl.algorithms import ALGORITHMS
     from rayfl.privacy import sum_form
-    from rayfl.registry import ALGORITHMS
 
     torch.manual_seed(0)
     c = client(variant="input", proxy_epochs=0, weights="all")

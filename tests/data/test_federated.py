@@ -7,9 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayfl.data import ClientSplit, Federation, build_federation, load_dataset
-from rayfl.data.federated import load_partition, plot_label_distribution, save_partition
+from rayfl.data.federated import load_partition, save_partition
 from rayfl.data.partition import iid
 from rayfl.errors import ConfigError, UserError
+from rayfl.tracking.plots import plot_class_counts
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_parquet_round_trip(dataset, tmp_path):
 
 def test_plot_label_distribution_writes_png(dataset, tmp_path):
     fed = build(dataset)
-    path = plot_label_distribution(fed, tmp_path / "plots" / "labels.png")
+    path = plot_labels(fed, tmp_path / "plots" / "labels.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -173,7 +174,7 @@ def test_plot_label_distribution_of_many_clients_is_an_image(dataset, tmp_path, 
     monkeypatch.setattr(plots, "MAX_BAR_CLIENTS", 4)
     monkeypatch.setattr(Axes, "barh", no_bars)
     fed = build(dataset)
-    path = plot_label_distribution(fed, tmp_path / "labels.png")
+    path = plot_labels(fed, tmp_path / "labels.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -201,3 +202,7 @@ def test_val_split_is_carved_stratified_from_train_and_leaves_the_rest(dataset, 
     assert all(np.array_equal(loaded["clients"][i].val, c.val) for i, c in enumerate(fed.clients))
     with pytest.raises(ConfigError, match="data.val_fraction"):
         build(dataset, val_fraction=1.0)
+
+
+def plot_labels(fed, path):
+    return plot_class_counts(fed.class_counts("train"), fed.dataset.name, path)

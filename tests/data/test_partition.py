@@ -7,9 +7,8 @@ import doctest
 import numpy as np
 import pytest
 
-from rayfl.data import partition
+from rayfl.data import PARTITIONERS, partition
 from rayfl.errors import ConfigError, UserError
-from rayfl.registry import PARTITIONERS
 
 # 1,000 labels over 10 classes, deliberately unbalanced (class c has roughly c+1 shares).
 LABELS = np.random.default_rng(123).choice(10, size=1000, p=np.arange(1, 11) / 55)

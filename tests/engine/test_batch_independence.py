@@ -14,18 +14,18 @@ import pytest
 import torch
 from torch import nn
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.engine.spec import torch_threads
 from rayfl.engine.training import logits_of
 from rayfl.engine.worker import ClientRunner
 from rayfl.errors import ConfigError
+from rayfl.models import MODELS
 from rayfl.models.sbn import batch_independent, batch_stat_norms
-from rayfl.registry import ALGORITHMS, MODELS, load_builtins
 from rayfl.seeding import Purpose
 from tests.algorithms.test_contract import FALLBACK_ARCHS, contract_raw
 
-load_builtins()
 CPU = torch.device("cpu")
 
 

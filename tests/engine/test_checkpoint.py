@@ -12,8 +12,8 @@ from rayfl.config import build_config
 from rayfl.engine import checkpoint as ckpt_mod
 from rayfl.engine.checkpoint import Checkpoint, decode_state, encode_state, load_state, state_bytes
 from rayfl.engine.loop import Simulation
-from rayfl.engine.sampling import sample_clients
 from rayfl.errors import UserError
+from rayfl.sampling import sample_clients
 
 
 def comparable(history):

@@ -123,7 +123,7 @@ def test_clients_that_did_not_change_keep_their_score_with_the_same_numbers(
     sim, scored, everyone, kept = _kept_against_everyone(synthetic_raw, monkeypatch, overrides)
     assert _without_times(kept) == _without_times(everyone)
     assert sorted(scored[0]) == list(range(6))  # round 1: nothing scored yet
-    from rayfl.engine.sampling import sample_clients
+    from rayfl.sampling import sample_clients
 
     for rnd, clients in enumerate(scored[1:], start=2):
         # only this round's participants are scored again

@@ -8,7 +8,7 @@ from rayfl.config import build_config
 from rayfl.engine.callbacks import RunDirectory
 from rayfl.engine.checkpoint import Checkpoint
 from rayfl.engine.loop import Simulation, summarize_clients
-from rayfl.engine.sampling import sample_clients
+from rayfl.sampling import sample_clients
 
 
 def run(raw, overrides=(), tmp_path=None, callbacks=()):

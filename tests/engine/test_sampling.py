@@ -7,8 +7,8 @@ import pytest
 
 from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
-from rayfl.engine.sampling import sample_clients
 from rayfl.errors import ConfigError
+from rayfl.sampling import sample_clients
 
 
 def test_uniform_draws_exactly_k_distinct_clients():

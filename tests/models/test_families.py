@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayfl.errors import ConfigError
-from rayfl.models import build_model
+from rayfl.models import FAMILIES, MODELS, build_model
 from rayfl.models.families import Family, family_from_config, get_family
-from rayfl.registry import FAMILIES, MODELS
 
 
 def test_registered_families() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayfl.errors import ConfigError
-from rayfl.models import SplitModel, build_model
+from rayfl.models import MODELS, SplitModel, build_model
 from rayfl.models.zoo import (
     AUXILIARY_MODELS,
     RESNET18_WIDTHS,
@@ -19,7 +19,6 @@ from rayfl.models.zoo import (
     Scaler,
     resnet_width,
 )
-from rayfl.registry import MODELS
 
 IMAGE_SHAPES = [(1, 28, 28), (3, 32, 32), (1, 8, 8)]
 ZOO_MODELS = (

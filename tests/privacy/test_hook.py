@@ -8,13 +8,13 @@ import copy
 import numpy as np
 import pytest
 
+from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Reply
 from rayfl.config import DPConfig, PrivacyConfig, SecAggConfig, build_config
 from rayfl.engine.loop import Simulation
 from rayfl.engine.server import ServerRunner
 from rayfl.errors import ConfigError
 from rayfl.privacy.hook import MASKED, PrivacyHook, check_fits, sum_form
-from rayfl.registry import ALGORITHMS
 from tests.algorithms.test_contract import FALLBACK_ARCHS, contract_raw
 
 SECAGG = PrivacyConfig(secagg=SecAggConfig(enabled=True))

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfl import cli
-from rayfl.privacy import report as privacy_report
+from rayfl import cli, privacy_report
 from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
 
 VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
