@@ -31,7 +31,7 @@ def load_for_run(
 ) -> tuple[RunConfig, Any]:
     """Read and check a run's config for a process that runs it and then exits (`rayfl run`,
     a benchmark's variant). For a run on Ray, Ray starts first, in a thread, so that its start
-    overlaps the check (which imports torch, ~3 s): returns the config and that
+    overlaps the check (which imports torch): returns the config and that
     `rayfl.engine.early.EarlyRay` (None when not on Ray), for `simulate(..., early=...)`.
     `run_dir`, when known: a private Ray spills objects under it (`spill_dir`), unless
     `engine.spill_dir` says otherwise. A config error stops Ray (once started) and is raised.
@@ -172,8 +172,8 @@ def exit_now(code: int) -> NoReturn:
     """End this process as the interpreter would, without its teardown: wait for the threads it
     would wait for, run the `atexit` functions (logging, MLflow, Ray, temporary files), flush
     stdout and stderr, exit. What is skipped is freeing every module and object one by one,
-    which after a run (torch, Ray, the dataset) takes 1.5-1.9 s of a 4-round benchmark on this
-    machine, against 0.1 s here. For the processes that run one command and exit: `rayfl` and
+    which after a run (torch, Ray, the dataset) takes far longer than the exit itself. For the
+    processes that run one command and exit: `rayfl` and
     the benchmark's children; never inside a process that goes on."""
     current = threading.current_thread()
     for thread in threading.enumerate():

@@ -257,7 +257,7 @@ class RunDirectory(Callback):
         # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
         self.write_summary(sim, "RUNNING")
         self.artifacts = [config_path]
-        # ~0.5 s (pyarrow) that the first round need not wait for: done by its end
+        # pyarrow's write, which the first round need not wait for: done by its end
         self._partition = Background(
             save_partition, sim.federation, self.run_dir, name="rayfl-write"
         )
@@ -309,7 +309,7 @@ class RunDirectory(Callback):
         """summary.json, then the plots: the label distribution (from the partition saved at the
         start) and the learning curves, from the plotting process (see the class), else drawn
         here: while the executor shuts down (see `Simulation.run`), not at the start, where
-        matplotlib's ~1.5 s of CPU delayed the first round on a small machine."""
+        matplotlib's import and drawing would delay the first round."""
         plotter, self._plotter = self._plotter, None
         if not self._opened:
             # the run failed before it started (e.g. a refused resume): leave the directory as it was
