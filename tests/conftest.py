@@ -3,9 +3,10 @@ and the test markers' rules.
 
 Markers (help in pyproject.toml): `slow` marks every test that starts Ray, a subprocess or an
 end-to-end run, so `python3 -m pytest -q -m "not slow"` is the developer's fast loop while a
-plain `python3 -m pytest -q` (CI) runs everything but the long `experiment`s. A test that uses
-the `ray_local` fixture or is marked `ray` or `experiment` is marked `slow` here; a test not
-marked `slow` that starts a Python subprocess, Ray or a whole run fails, naming the marker.
+plain `python3 -m pytest -q` (CI) runs everything but the long `experiment` and the `gpu`
+tests. A test that uses the `ray_local` fixture or is marked `ray` or `experiment` is marked
+`slow` here; a test not marked `slow` that starts a Python subprocess, Ray or a whole run
+fails, naming the marker.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    # `experiment` runs only when asked for by name (-m experiment); `gpu` only where CUDA is.
-    # Done here rather than in addopts' -m, which a command line's own -m would replace.
-    if "experiment" not in (config.option.markexpr or ""):
-        keep = [item for item in items if not item.get_closest_marker("experiment")]
-        if len(keep) < len(items):
-            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-            items[:] = keep
+    # `experiment` and `gpu` run only when asked for by name (-m experiment, -m gpu), and `gpu`
+    # only where CUDA is. Decided here: a command line's own -m would replace addopts' -m.
+    for marker in ("experiment", "gpu"):
+        if marker not in (config.option.markexpr or ""):
+            keep = [item for item in items if not item.get_closest_marker(marker)]
+            if len(keep) < len(items):
+                config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+                items[:] = keep
     if any(item.get_closest_marker("gpu") for item in items):
         import torch
 
