@@ -173,6 +173,7 @@ def write_config(tmp_path: Path, overrides: dict) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_quick_chaos_driver_killed_inside_a_checkpoint_write(tmp_path):
     engine = {"rounds": 2, "executor": "serial", "checkpoint_every": 1}
     config = write_config(tmp_path, {"engine": engine})
