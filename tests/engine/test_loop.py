@@ -55,6 +55,7 @@ def test_summarize_clients_golden():
     assert out["train/loss"] == pytest.approx(1.6)
 
 
+@pytest.mark.slow
 def test_serial_run_metrics(synthetic_raw, tmp_path):
     result = run(
         tmp_path,
