@@ -51,6 +51,7 @@ def test_the_plotting_process_answers_each_job_and_reports_a_failed_one(tmp_path
         assert Path(path).read_bytes()[:8] == PNG
 
 
+@pytest.mark.slow
 def test_the_plotting_process_runs_at_the_lowest_priority_and_delivers(tmp_path) -> None:
     proc = plotter.PlotProcess()
     assert proc._proc is not None
