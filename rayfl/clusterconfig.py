@@ -330,7 +330,7 @@ def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:
     failure and the environment, so that it is tested without a cluster).
 
     Ray 2.60 gives a driver that joins an explicit address of a head with token authentication,
-    but has no `RAY_AUTH_MODE=token`, only a `ConnectionError` after ~20 s of C++
+    but has no `RAY_AUTH_MODE=token`, only a `ConnectionError` after a stream of C++
     `InvalidAuthToken` warnings; with the mode set and no token, an `AuthenticationError`.
     `auto` reads the local token by itself, so only an explicit address gets the token hint.
     """

@@ -172,7 +172,7 @@ def local_gpus() -> int:
     """GPUs this machine shows a private Ray (CUDA devices that `CUDA_VISIBLE_DEVICES` admits).
 
     Without an NVIDIA driver (no /proc/driver/nvidia, no /dev/nvidia0) there is none, known
-    without importing torch; else torch counts them (~3 s of import before Ray starts, paid
+    without importing torch; else torch counts them (torch's import before Ray starts, paid
     only by a local run that asks for GPUs, and saved later by the config check)."""
     if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
         return 0

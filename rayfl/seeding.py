@@ -3,15 +3,7 @@
 A stream is a `numpy.random.SeedSequence` over a tuple of integers, its *words*: the run's seed,
 where it applies (round, client) and its purpose's tag. Two streams with the same words draw the
 same numbers, so every purpose's words must differ from every other's for any seed, round and
-client (`tests/test_seeding.py` checks it over a grid). Each purpose keeps the words it had
-before this module existed, so the numbers stay, with two exceptions (2026-12-03):
-
-- `PRIVACY` was 5, the value of `EVAL`: a client's privacy noise drew the stream its
-  evaluation drew. It is 6 now (DP and secure-aggregation runs draw other noise than before).
-- The data streams (`rayfl.data.federated`) used `(seed, stream, client)` with stream 1-3,
-  which met the run's other streams (client 1's train/test split drew client 3's initial
-  weights' stream, client 4's drew round 3's client sample). They use their own tags now, last
-  like every other purpose's: the train/test splits of every run changed.
+client (`tests/test_seeding.py` checks it over a grid).
 
 Secure aggregation derives its keys by hashing with labels of its own (`rayfl.privacy.secagg`),
 a domain apart from these streams. A dataset's own `data.options.seed` (synthetic data, the

@@ -1,8 +1,19 @@
-"""Shared fixtures: one local Ray per test session (with one logical GPU for placement tests)."""
+"""Shared fixtures (one local Ray per test session, with one logical GPU for placement tests)
+and the test markers' rules.
+
+Markers (help in pyproject.toml): `slow` marks every test that starts Ray, a subprocess or an
+end-to-end run, so `python3 -m pytest -q -m "not slow"` is the developer's fast loop while a
+plain `python3 -m pytest -q` (CI) runs everything but the long `experiment` and the `gpu`
+tests. A test that uses the `ray_local` fixture or is marked `ray` or `experiment` is marked
+`slow` here; a test not marked `slow` that starts a Python subprocess, Ray or a whole run
+fails, naming the marker.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+import subprocess
 
 import pytest
 
@@ -28,9 +39,85 @@ def ray_local():
         ray.shutdown()
 
 
+SLOW_FIXTURES = {"ray_local"}
+
+
+def pytest_itemcollected(item):
+    if (
+        item.get_closest_marker("ray")
+        or item.get_closest_marker("experiment")
+        or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+    ):
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    # `experiment` and `gpu` run only when asked for by name (-m experiment, -m gpu), and `gpu`
+    # only where CUDA is. Decided here: a command line's own -m would replace addopts' -m.
+    for marker in ("experiment", "gpu"):
+        if marker not in (config.option.markexpr or ""):
+            keep = [item for item in items if not item.get_closest_marker(marker)]
+            if len(keep) < len(items):
+                config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+                items[:] = keep
+    if any(item.get_closest_marker("gpu") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA device")
+            for item in items:
+                if item.get_closest_marker("gpu"):
+                    item.add_marker(skip)
     # Tests that start their own multi-node cluster must not overlap the session's Ray: run them last.
     items.sort(key=lambda item: "multinode" in item.nodeid)
+
+
+# What makes a test slow: another Python interpreter (a CLI run, a script) or Ray's daemons.
+# Quick system tools that libraries call on import (ldconfig, uname, git) do not count.
+SLOW_PROGRAMS = ("python", "rayfl", "ray", "gcs_server", "raylet")
+# ... or a whole run through `rayfl.launch` (what `rayfl run`, compare, tune and `rayfl.run` do:
+# run directory, checkpoints, tracking), seen where `launch.simulate` hands over to the engine.
+RUN_ENTRY = ("rayfl.launch", "_simulate_locked")
+
+
+def _program(args) -> str:
+    first = args if isinstance(args, (str, bytes, os.PathLike)) else next(iter(args), "")
+    first = os.fsdecode(first)
+    return os.path.basename(first.split()[0] if isinstance(args, str) and first else first)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request, monkeypatch):
+    """Keep the fast loop fast: a test not marked `slow` that starts Python, Ray or a whole run
+    fails."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started = []
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self, args, *a, **kw):
+        if _program(args).startswith(SLOW_PROGRAMS):
+            started.append(args)
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    module = importlib.import_module(RUN_ENTRY[0])
+    real_run = getattr(module, RUN_ENTRY[1], None)
+    if real_run is not None:
+
+        def recording_run(*a, **kw):
+            started.append("an end-to-end run")
+            return real_run(*a, **kw)
+
+        monkeypatch.setattr(module, RUN_ENTRY[1], recording_run)
+    yield
+    if started:
+        pytest.fail(
+            f"starts {started[0]!r:.100}: mark it @pytest.mark.slow (or use the ray_local "
+            "fixture) so that `pytest -m 'not slow'` stays fast",
+            pytrace=False,
+        )
 
 
 SYNTHETIC = {

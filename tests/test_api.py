@@ -43,6 +43,7 @@ def test_overrides_of_spells_the_command_line():
     assert cfg.name == "1e-3" and cfg.model.architectures == ("tiny_a",)
 
 
+@pytest.mark.slow
 def test_run_returns_the_result_and_raises_config_errors(tmp_path):
     raw = copy.deepcopy(SYNTHETIC)
     result = rayfl.run(raw, out=tmp_path / "run", progress=False, engine__rounds=1)
@@ -57,6 +58,7 @@ def test_run_returns_the_result_and_raises_config_errors(tmp_path):
         rayfl.run(raw, resume=True)
 
 
+@pytest.mark.slow
 def test_the_api_docs_examples_run(tmp_path):
     """Every ```python block of docs/api.md, in order, in one interpreter, from a copy of the
     repository's docs/examples (so runs/ and mlflow.db land in tmp_path)."""

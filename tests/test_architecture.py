@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = (
     "ray",
@@ -31,6 +33,7 @@ def test_algorithms_import_no_ray_mlflow_or_engine_statically():
                 )
 
 
+@pytest.mark.slow
 def test_importing_algorithms_loads_no_ray_or_mlflow():
     code = (
         "import sys, rayfl.algorithms, rayfl.data, rayfl.models, rayfl.plugins, rayfl.registry;"

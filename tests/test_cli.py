@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import SYNTHETIC
+
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rayfl import cli
@@ -29,6 +30,7 @@ def write_config(tmp_path, engine):
     return path
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_ray_run_like_ctrl_c_with_the_checkpoint_intact(tmp_path):
     engine = {
         "rounds": 200,

@@ -96,6 +96,7 @@ def test_zero_column_terminal_is_plain(monkeypatch):
     assert ProgressBar.wants_plain(io.StringIO())
 
 
+@pytest.mark.slow
 def test_the_main_job_prints_its_gain_over_local(tmp_path, capsys):
     import yaml
 

@@ -104,6 +104,7 @@ def test_aggregate_golden():
     assert curves == {"a": [(1, pytest.approx(0.3)), (2, pytest.approx(0.4))]}
 
 
+@pytest.mark.slow
 def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
     from mlflow import MlflowClient
 
@@ -160,6 +161,7 @@ def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
     assert "proto/personal/acc" in parent.data.metrics
 
 
+@pytest.mark.slow
 def test_algorithms_of_a_suite_share_the_partition(tmp_path):
     out = tmp_path / "out"
     run_suite(write_suite(tmp_path, seeds=[3]), ["engine.rounds=1"], out=out, progress=False)

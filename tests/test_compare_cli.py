@@ -14,6 +14,8 @@ from rayfl.cli import main
 from rayfl.compare import SuiteInterrupted, run_suite
 from tests.test_compare import write_suite
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 
 def test_run_on_a_suite_file_says_so_and_names_rayfl_compare(tmp_path, capsys):
     path = write_suite(tmp_path)

@@ -11,6 +11,8 @@ from rayfl.compare import SuiteInterrupted, run_suite
 from tests.interrupts import InterruptAfterRound
 from tests.test_compare import write_suite
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 NAMES = ["local-s0", "local-s1", "proto-s0", "proto-s1"]
 
 

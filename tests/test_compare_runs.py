@@ -13,6 +13,8 @@ import rayfl.launch
 from rayfl.compare import run_suite
 from tests.test_compare import write_suite
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 
 def rows_of(out):
     return {r["label"]: r for r in pq.read_table(out / "runs.parquet").to_pylist()}

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "benchmarks" / "gpu_check.py"
 
@@ -50,7 +52,7 @@ def test_on_a_gpu_it_reports_placement_memory_and_throughput(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
+@pytest.mark.experiment
 def test_the_cpu_smoke_run_gives_the_full_report_on_logical_gpus(tmp_path):
     # What a lent GPU machine gets, in one run: 4 workers placed on one (here logical) GPU with
     # their details read before the run closed them (they were read after, from dead actors:

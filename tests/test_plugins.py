@@ -22,6 +22,8 @@ import yaml
 
 from tests.conftest import SYNTHETIC
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A user's algorithm in one module: its own Params dataclass (which must unpickle on a Ray

@@ -36,6 +36,7 @@ def final_of(run_dir):
     return json.loads((run_dir / "summary.json").read_text())["final"]
 
 
+@pytest.mark.slow
 def test_run_report_is_self_contained(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     page = (run_dir / "report.html").read_text()
@@ -49,6 +50,7 @@ def test_run_report_is_self_contained(run_dir, capsys):
     assert "tiny_a" in page and "Label distribution" in page
 
 
+@pytest.mark.slow
 def test_suite_report_shows_the_table_and_failed_runs(tmp_path):
     out = tmp_path / "suite"
     run_suite(write_suite(tmp_path, seeds=[0]), ["engine.rounds=1"], out=out, progress=False)
@@ -65,6 +67,7 @@ def test_report_refuses_a_folder_it_cannot_read(tmp_path):
         write_report(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CHROMIUM is None,
     reason="Debian's chromium is not installed (setup.sh installs it where apt is usable)",

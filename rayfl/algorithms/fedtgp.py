@@ -27,10 +27,8 @@ prototypes with plain SGD (learning rate `server_lr`, default `train.lr`; miniba
 
 Defaults are the official code's (TsingZ0/FedTGP `system/run_me.sh`: `-lam 10 -se 100 -mart 100`;
 the generator's hidden width is the feature size, `server_hidden_dim = feature_dim`); the table
-of every algorithm's defaults and their sources is in docs/algorithms.md.
-
-Length: just over 200 lines; the generator, the adaptive margin and the ACL loss each need their
-own golden-tested piece.
+of every algorithm's defaults and their sources is in docs/algorithms.md. The generator, the
+adaptive margin and the ACL loss are separate pieces, each with its own golden test.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from rayfl.schema import setting
 class FedTGPParams:
     lam: float = setting(
         10.0,
-        "weight of the distance to the global prototype: 10 as in the official FedTGP code (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it follows FedProto's lambda of 10 (clienttgp.py). At 0.1 both libraries land ~11 points below Local on Fashion-MNIST (issue 28); at 10 within ~2 points.",
+        "weight of the distance to the global prototype: 10 as in the official FedTGP code (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it follows FedProto's lambda of 10 (clienttgp.py). A small lam (0.1) leaves FedTGP far below local training.",
     )
     predict: Literal["head", "prototype"] = setting(
         "prototype", "the paper's inference: nearest prototype"

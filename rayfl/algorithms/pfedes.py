@@ -34,8 +34,8 @@ Keeps local: the heterogeneous local model.
 Server: sample-weighted proxy average, with optional per-client weight cap, L2 clipping of each
 proxy update, and EMA of the global proxy applied every `ema_every` rounds.
 
-Length: over 200 lines because it holds both variants (two client classes sharing the proxy,
-the server and the received-proxy scoring) and the variant table, in one module by design.
+Both variants live in this one module (two client classes sharing the proxy, the server and the
+received-proxy scoring) so the variant table sits beside the code it selects.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ FedProto and FedGH share per-class mean representations (prototypes), FD shares 
 logits. Both travel as the same payload, `{"means": (C, D) float32, "counts": (C,) float32}`,
 where `counts[c]` is the number of samples behind `means[c]` (0: the class was not seen and its
 row is zero). Every helper here is pure and has a golden-number test.
-Not an algorithm module but the helpers three of them share (FD, FedProto, FedGH, FedTGP),
-which is why it may run past 200 lines.
+Not an algorithm module but the helpers four of them share (FD, FedProto, FedGH, FedTGP).
 """
 
 from __future__ import annotations

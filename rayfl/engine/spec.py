@@ -84,16 +84,12 @@ def keep_tensor_memory(mmap_mb: int = 64, trim_mb: int = 256) -> bool:
     `mmap_mb` come from the heap, and up to `trim_mb` of free heap stay mapped. Every process
     that trains or scores calls it, by way of the runners (`ClientRunner`, `ServerRunner`) and
     the evaluation actor: a Ray actor, a driver that scores the server's models in a thread, or
-    one that runs the serial executor (whose last-round client evaluation in the benchmark took
-    1.5-1.6 s without it and 1.1 s with it, its training 3.5% more).
+    one that runs the serial executor.
 
     In Ray's worker processes glibc does not raise its mmap threshold as it does in a plain
-    process, so every evaluation batch maps fresh pages and faults them in: scoring the
-    Fashion-MNIST test set with cnn_small took 5.3 s there, 2 of them in the kernel (600k page
-    faults), and 3.6 s with this (no faults; training is unchanged). A thread of a plain process
-    (its own malloc arena) is no better: the test set with one torch thread took 1.72 s and 315k
-    faults there, 1.27 s and 16k with this. Returns False where the C library is not glibc
-    (nothing is changed)."""
+    process, so every evaluation batch maps fresh pages and faults them in, and a large share of
+    the evaluation's time goes to the kernel; a thread of a plain process (its own malloc arena)
+    is no better. Returns False where the C library is not glibc (nothing is changed)."""
     import ctypes
 
     try:
@@ -121,8 +117,8 @@ def seed_torch(seed: int) -> None:
     """`torch.manual_seed(seed)`, cheaply where the CPU generator is the only one.
 
     `torch.manual_seed` also queues a seeding of every accelerator backend (CUDA, XPU, MTIA),
-    recording the caller's stack for each: ~0.65 ms a call on a CPU-only machine, a tenth of a
-    small client's evaluation. Without an accelerator only the CPU generator exists, and
+    recording the caller's stack for each, a sizeable share of a small client's evaluation.
+    Without an accelerator only the CPU generator exists, and
     seeding it alone is what `torch.manual_seed` does to it: the same numbers."""
     if _has_accelerator():
         torch.manual_seed(seed)

@@ -286,8 +286,7 @@ def eval_batch_size(settings: TrainConfig, device: torch.device) -> int:
     """`train.eval_batch_size`, or by default 128 on a CPU and 1024 on a GPU. On a CPU larger
     batches are slower, not faster: a 512-image batch of cnn_small needs activation buffers of
     ~50 MB, above glibc's largest mmap threshold (32 MB), so every batch maps fresh pages and
-    faults them in (1.27M page faults and 3-4 s of system time per pass over the 10k-image test
-    set; 2.2-3.0 s at 128 against 4.6-7.2 s at 512 on the 2-core CPU machine, one thread)."""
+    faults them in, and the page faults' system time outweighs what the larger batch saves."""
     if settings.eval_batch_size is not None:
         return settings.eval_batch_size
     return 128 if device.type == "cpu" else 1024
@@ -329,8 +328,7 @@ def evaluate_client(
     The model is scored in eval mode with batch-independent batch norm (`rayfl.models.sbn`:
     batch-statistics layers get running statistics over the client's training data first), so
     no sample's score depends on the others in its batch. The batches run under
-    `torch.inference_mode` (no autograd bookkeeping: ~10% faster than `no_grad` for small CNNs
-    on a CPU, same numbers); `eval_model()` is called outside it, as it may build modules that
+    `torch.inference_mode` (no autograd bookkeeping: cheaper than `no_grad`, same numbers); `eval_model()` is called outside it, as it may build modules that
     training later uses, which inference tensors could not be, and so are the split's cached
     tensors."""
     for m in client.modules():

@@ -43,10 +43,9 @@ class SplitModel(nn.Module):
 def place(module: nn.Module, device: torch.device) -> nn.Module:
     """Move `module` to `device`, in the memory layout fastest there: on a CPU its 4-d weights
     (convolutions) go channels-last, and so do the activations they produce. oneDNN's NHWC
-    convolutions and PyTorch's vectorized channels-last max-pool train cnn_small 1.6x faster
-    than NCHW on one thread (1.55 s against 2.5 s for 100 batches of 64, torch 2.14) and score
-    it 1.7x faster; NCHW's max-pool alone was half of the forward pass. The layout changes the
-    order of the convolutions' sums, so results differ from NCHW in float rounding only
+    convolutions and PyTorch's vectorized channels-last max-pool train and score small CNNs
+    markedly faster than NCHW on a CPU, where NCHW's max-pool dominates the forward pass. The
+    layout changes the order of the convolutions' sums, so results differ from NCHW in float rounding only
     (one SGD step agrees within 1e-6). GPUs keep their default layout.
 
     Only models whose convolutions all have channel counts that are multiples of 8 (after the

@@ -33,7 +33,7 @@ _PROPORTION_TOL = 1e-6
 
 @functools.lru_cache(maxsize=256)
 def _feature_dim(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
-    # Building e.g. ResNet-18 costs ~0.1 s; families ask repeatedly, so remember the answer.
+    # Building a model (e.g. ResNet-18) is not free and families ask repeatedly: remember.
     return int(build_model(arch, in_shape, num_classes).feature_dim)
 
 

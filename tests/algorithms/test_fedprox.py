@@ -79,7 +79,7 @@ def test_a_decaying_mu_schedule_can_be_written_with_the_round_context():
     assert terms == pytest.approx([0.5625, 0.375, 0.0], abs=1e-5)
 
 
-def test_the_engine_hands_both_halves_the_round_and_the_total(synthetic_raw, monkeypatch):
+def test_the_engine_hands_both_halves_the_round_and_the_total(synthetic_raw, monkeypatch, tmp_path):
     seen: dict[str, list[tuple[int, int]]] = {"receive": [], "broadcast": [], "aggregate": []}
 
     def spy(cls, hook):
@@ -96,7 +96,7 @@ def test_the_engine_hands_both_halves_the_round_and_the_total(synthetic_raw, mon
         spy(FedAvgServer, hook)
     overrides = ["algorithm.name=fedprox", "model.architectures=[tiny_a]", "engine.rounds=3"]
     cfg = build_config(synthetic_raw, overrides + ["data.num_clients=3"])
-    Simulation(cfg, "/tmp/unused").run()
+    Simulation(cfg, tmp_path).run()
     assert sorted(set(seen["receive"])) == [(1, 3), (2, 3), (3, 3)]
     # three clients a round, each receiving twice: to train, and after the server step to
     # score the model it would deploy (eval.protocol=deployed)

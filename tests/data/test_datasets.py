@@ -345,6 +345,7 @@ def test_as_tensor_leaves_read_only_input_untouched():
         ds.as_tensor(np.zeros((2, 1, 2, 2), dtype=np.uint8))
 
 
+@pytest.mark.slow
 def test_importing_rayfl_data_does_not_import_ray_or_mlflow():
     code = "import sys, rayfl.data; print(sorted(m for m in ('ray', 'mlflow') if m in sys.modules))"
     repo = Path(__file__).resolve().parents[2]

@@ -213,10 +213,10 @@ def domain_raw() -> dict:
 
 
 @pytest.mark.ray
-def test_dirichlet_with_rotation_domains_gives_ray_the_serial_numbers(ray_local):
+def test_dirichlet_with_rotation_domains_gives_ray_the_serial_numbers(ray_local, tmp_path):
     def history(executor: str) -> list[dict]:
         cfg = build_config(domain_raw(), [f"engine.executor={executor}", "engine.num_workers=2"])
-        rows = Simulation(cfg, "/tmp/unused").run().history
+        rows = Simulation(cfg, tmp_path).run().history
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
     serial = history("serial")
@@ -225,6 +225,7 @@ def test_dirichlet_with_rotation_domains_gives_ray_the_serial_numbers(ray_local)
     assert serial == history("ray")
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # an end-to-end run
 def test_the_run_report_and_the_suite_table_show_accuracy_per_domain(tmp_path):
     from rayfl.compare import DOMAIN_PREFIX, arch_rows, mean_col

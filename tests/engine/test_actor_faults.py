@@ -34,35 +34,35 @@ class KillServer(Callback):
 
 
 def test_a_dead_server_actor_restarts_from_the_last_round_with_identical_numbers(
-    ray_local, synthetic_raw
+    ray_local, synthetic_raw, tmp_path
 ):
     overrides = ["engine.rounds=2", "engine.num_workers=1"]
-    serial = Simulation(build_config(synthetic_raw, overrides), "/tmp/unused").run().history
+    serial = Simulation(build_config(synthetic_raw, overrides), tmp_path).run().history
     killer = KillServer({1})
     cfg = build_config(synthetic_raw, [*overrides, "engine.executor=ray", "engine.server_in=actor"])
-    disturbed = Simulation(cfg, "/tmp/unused", [killer]).run().history
+    disturbed = Simulation(cfg, tmp_path, [killer]).run().history
     assert killer.killed == 1
     assert comparable(disturbed) == comparable(serial)
 
 
 @pytest.mark.parametrize("server_in", ["actor", "driver"])
 def test_a_user_error_inside_the_server_actor_reaches_the_user_as_its_one_line(
-    ray_local, synthetic_raw, server_in
+    ray_local, synthetic_raw, server_in, tmp_path
 ):
     overrides = ["engine.executor=ray", f"engine.server_in={server_in}"]
     cfg = build_config(synthetic_raw, overrides)
     # past the config's own check (it refuses 7 of 6 up front): the server must refuse the round
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, min_replies=7))
     with pytest.raises(RoundFailed) as err:
-        Simulation(cfg, "/tmp/unused").run()
+        Simulation(cfg, tmp_path).run()
     assert type(err.value) is RoundFailed  # not Ray's RayTaskError(RoundFailed) wrapper
     assert "\n" not in str(err.value) and "engine.min_replies=7" in str(err.value)
 
 
-def test_workers_that_do_not_start_in_time_are_one_line(ray_local, synthetic_raw):
+def test_workers_that_do_not_start_in_time_are_one_line(ray_local, synthetic_raw, tmp_path):
     cfg = build_config(synthetic_raw, ["engine.executor=ray", "engine.startup_timeout_s=0.001"])
     with pytest.raises(UserError, match=r"engine\.startup_timeout_s=0\.001") as err:
-        Simulation(cfg, "/tmp/unused").run()
+        Simulation(cfg, tmp_path).run()
     assert "\n" not in str(err.value)
 
 

@@ -2,8 +2,9 @@
 SIGKILLed at random points, including inside checkpoint writes, ends with the numbers of an
 undisturbed run.
 
-The quick test (default suite) kills a serial driver twice; the slow one (`-m slow`) runs the Ray
-executor and kills drivers, workers and the server actor at random until the run finishes.
+The quick test (in the default run, not in the fast loop) kills a serial driver twice; the long
+one (`-m experiment`) runs the Ray executor and kills drivers, workers and the server actor at
+random until the run finishes.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
-def undisturbed(overrides):
+def undisturbed(overrides, run_dir):
     cfg = build_config(SYNTHETIC, [*overrides, "engine.executor=serial"])
-    return comparable(Simulation(cfg, "/tmp/unused").run().history)
+    return comparable(Simulation(cfg, run_dir).run().history)
 
 
 @dataclass
@@ -172,6 +173,7 @@ def write_config(tmp_path: Path, overrides: dict) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_quick_chaos_driver_killed_inside_a_checkpoint_write(tmp_path):
     engine = {"rounds": 2, "executor": "serial", "checkpoint_every": 1}
     config = write_config(tmp_path, {"engine": engine})
@@ -185,10 +187,10 @@ def test_quick_chaos_driver_killed_inside_a_checkpoint_write(tmp_path):
     code, err = chaos.finish(second)
     assert code == 0, err[-3000:]
     got = comparable(pq.read_table(tmp_path / "run" / "metrics.parquet").to_pylist())
-    assert got == undisturbed(["engine.rounds=2"])
+    assert got == undisturbed(["engine.rounds=2"], tmp_path / "undisturbed")
 
 
-@pytest.mark.slow
+@pytest.mark.experiment
 def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
     rounds = 6
     engine = {
@@ -210,4 +212,4 @@ def test_chaos_random_kills_of_drivers_workers_and_the_server(tmp_path):
     print(report)
     (tmp_path.parent / "chaos_report.txt").write_text(report + "\n")
     assert sum(chaos.kills.values()) >= 1, report
-    assert got == undisturbed([f"engine.rounds={rounds}"])
+    assert got == undisturbed([f"engine.rounds={rounds}"], tmp_path / "undisturbed")

@@ -92,32 +92,36 @@ class FakeClock:
         return self.now
 
 
-def test_the_round_deadline_drops_the_clients_it_did_not_reach(synthetic_raw, monkeypatch):
+def test_the_round_deadline_drops_the_clients_it_did_not_reach(
+    synthetic_raw, monkeypatch, tmp_path
+):
     # deadline = 1 + 2.5; clients are started at 2 and 3, the third look (4) is past it
     monkeypatch.setattr(SerialExecutor, "clock", FakeClock())
     cfg = build_config(
         synthetic_raw, [*HOMOGENEOUS, "engine.rounds=1", "engine.round_timeout_s=2.5"]
     )
-    row = Simulation(cfg, "/tmp/unused").run().history[0]
+    row = Simulation(cfg, tmp_path).run().history[0]
     assert row["clients"] == 2.0
 
 
-def test_a_deadline_that_leaves_too_few_replies_fails_the_round(synthetic_raw, monkeypatch):
+def test_a_deadline_that_leaves_too_few_replies_fails_the_round(
+    synthetic_raw, monkeypatch, tmp_path
+):
     monkeypatch.setattr(SerialExecutor, "clock", FakeClock())
     cfg = build_config(
         synthetic_raw,
         [*HOMOGENEOUS, "engine.rounds=1", "engine.round_timeout_s=2.5", "engine.min_replies=3"],
     )
     with pytest.raises(RoundFailed, match="only 2 valid replies"):
-        Simulation(cfg, "/tmp/unused").run()
+        Simulation(cfg, tmp_path).run()
 
 
-def test_a_deadline_keeps_the_numbers_of_the_clients_it_reached(synthetic_raw):
+def test_a_deadline_keeps_the_numbers_of_the_clients_it_reached(synthetic_raw, tmp_path):
     # a generous deadline trains client by client: the same numbers as one call for all
     base = [*HOMOGENEOUS, "engine.rounds=2"]
-    plain = Simulation(build_config(synthetic_raw, base), "/tmp/unused").run().history
+    plain = Simulation(build_config(synthetic_raw, base), tmp_path).run().history
     timed = build_config(synthetic_raw, [*base, "engine.round_timeout_s=3600"])
-    with_deadline = Simulation(timed, "/tmp/unused").run().history
+    with_deadline = Simulation(timed, tmp_path).run().history
     strip = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in plain]
     assert strip == [
         {k: v for k, v in r.items() if not k.startswith("time/")} for r in with_deadline

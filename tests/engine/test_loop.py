@@ -11,9 +11,9 @@ from rayfl.engine.loop import Simulation, summarize_clients
 from rayfl.sampling import sample_clients
 
 
-def run(raw, overrides=(), tmp_path=None, callbacks=()):
+def run(run_dir, raw, overrides=(), callbacks=()):
     cfg = build_config(raw, list(overrides))
-    sim = Simulation(cfg, tmp_path or "/tmp/unused", list(callbacks))
+    sim = Simulation(cfg, run_dir, list(callbacks))
     return sim.run()
 
 
@@ -55,11 +55,12 @@ def test_summarize_clients_golden():
     assert out["train/loss"] == pytest.approx(1.6)
 
 
+@pytest.mark.slow
 def test_serial_run_metrics(synthetic_raw, tmp_path):
     result = run(
+        tmp_path,
         synthetic_raw,
         ["engine.rounds=3", "engine.fraction=0.5"],
-        tmp_path,
         [RunDirectory(tmp_path)],
     )
     assert [r["round"] for r in result.history] == [1, 2, 3]
@@ -97,24 +98,24 @@ def test_serial_run_metrics(synthetic_raw, tmp_path):
         assert (tmp_path / name).exists(), name
 
 
-def test_same_seed_same_numbers_other_seed_differs(synthetic_raw):
-    a = run(synthetic_raw).history
-    b = run(synthetic_raw).history
-    c = run(synthetic_raw, ["seed=1"]).history
+def test_same_seed_same_numbers_other_seed_differs(synthetic_raw, tmp_path):
+    a = run(tmp_path, synthetic_raw).history
+    b = run(tmp_path, synthetic_raw).history
+    c = run(tmp_path, synthetic_raw, ["seed=1"]).history
     key = "personal/acc"
     assert [r[key] for r in a] == [r[key] for r in b]
     assert [r["train/loss"] for r in a] != [r["train/loss"] for r in c]
 
 
-def test_learning_happens_on_synthetic_data(synthetic_raw):
+def test_learning_happens_on_synthetic_data(synthetic_raw, tmp_path):
     hist = run(
-        synthetic_raw, ["engine.rounds=4", "algorithm.name=local", "train.local_epochs=3"]
+        tmp_path, synthetic_raw, ["engine.rounds=4", "algorithm.name=local", "train.local_epochs=3"]
     ).history
     assert hist[-1]["personal/acc"] > 0.6  # 10 classes: chance is 0.1
 
 
 def test_checkpoint_resume_gives_the_uninterrupted_numbers(synthetic_raw, tmp_path):
-    full = run(synthetic_raw, ["engine.rounds=4"]).history
+    full = run(tmp_path / "full", synthetic_raw, ["engine.rounds=4"]).history
     cfg = build_config(synthetic_raw, ["engine.rounds=2", "engine.checkpoint_every=1"])
     Simulation(cfg, tmp_path, [Checkpoint(tmp_path, 1)]).run()
     cfg4 = build_config(synthetic_raw, ["engine.rounds=4", "engine.checkpoint_every=1"])
@@ -126,25 +127,27 @@ def test_checkpoint_resume_gives_the_uninterrupted_numbers(synthetic_raw, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["local", "fedavg", "pfedes"])
-def test_core_algorithms_run(synthetic_raw, name):
+def test_core_algorithms_run(synthetic_raw, name, tmp_path):
     overrides = [f"algorithm.name={name}"]
     if name == "fedavg":
         overrides.append("model.architectures=[tiny_a]")
-    hist = run(synthetic_raw, overrides).history
+    hist = run(tmp_path, synthetic_raw, overrides).history
     assert np.isfinite(hist[-1]["personal/acc"])
     if name == "fedavg":
         assert "global/acc" in hist[-1]
 
 
-def test_input_variant_runs(synthetic_raw):
+def test_input_variant_runs(synthetic_raw, tmp_path):
     raw = dict(synthetic_raw)
     raw["algorithm"] = {"name": "pfedes", "variant": "input", "proxy_epochs": 1}
     raw["model"] = {"family": "seed3"}
-    hist = run(raw).history
+    hist = run(tmp_path, raw).history
     assert np.isfinite(hist[-1]["personal/acc"]) and "proxy/acc" not in hist[-1]
 
 
-def test_the_executor_shuts_down_after_the_callbacks_end_the_run(synthetic_raw, monkeypatch):
+def test_the_executor_shuts_down_after_the_callbacks_end_the_run(
+    synthetic_raw, monkeypatch, tmp_path
+):
     # a callback's on_run_end may still read the executor; it is closed once they all ended
     from rayfl.engine.callbacks import Callback
     from rayfl.engine.executor import SerialExecutor
@@ -156,11 +159,11 @@ def test_the_executor_shuts_down_after_the_callbacks_end_the_run(synthetic_raw, 
         def on_run_end(self, sim, status):
             order.append(status)
 
-    result = run(synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
+    result = run(tmp_path, synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
     assert result.status == "FINISHED" and order == ["FINISHED", "close"]
 
 
-def test_a_failing_close_is_still_raised_after_the_callbacks(synthetic_raw, monkeypatch):
+def test_a_failing_close_is_still_raised_after_the_callbacks(synthetic_raw, monkeypatch, tmp_path):
     from rayfl.engine.callbacks import Callback
     from rayfl.engine.executor import SerialExecutor
 
@@ -175,7 +178,7 @@ def test_a_failing_close_is_still_raised_after_the_callbacks(synthetic_raw, monk
             ended.append(status)
 
     with pytest.raises(RuntimeError, match="close failed"):
-        run(synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
+        run(tmp_path, synthetic_raw, ["engine.rounds=1"], callbacks=[Watch()])
     assert ended == ["FINISHED"]
 
 

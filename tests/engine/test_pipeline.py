@@ -28,9 +28,9 @@ class Record(Callback):
         self.rows.append(comparable(metrics))
 
 
-def run(raw, overrides):
+def run(raw, overrides, run_dir):
     rec = Record()
-    sim = Simulation(build_config(raw, overrides), "/tmp/unused", [rec])
+    sim = Simulation(build_config(raw, overrides), run_dir, [rec])
     return sim.run().history, rec
 
 
@@ -40,9 +40,9 @@ def same_state(a, b):
     return (a == b).all() if hasattr(a, "all") else a == b
 
 
-def check(raw, base):
-    off, rec_off = run(raw, [*base, "engine.pipeline_eval=false"])
-    on, rec_on = run(raw, [*base, "engine.pipeline_eval=true"])
+def check(raw, base, run_dir):
+    off, rec_off = run(raw, [*base, "engine.pipeline_eval=false"], run_dir)
+    on, rec_on = run(raw, [*base, "engine.pipeline_eval=true"], run_dir)
     assert "proxy/acc" in off[0] and "proxy/acc" in on[0]  # every round is scored
     assert [comparable(r) for r in off] == [comparable(r) for r in on]
     assert rec_on.rounds == rec_off.rounds == [1, 2, 3]
@@ -53,11 +53,11 @@ def check(raw, base):
     assert all("time/eval_wait_s" in r for r in on)  # the last round's too
 
 
-def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw):
-    check(synthetic_raw, ["engine.rounds=3", "engine.executor=serial"])
+def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw, tmp_path):
+    check(synthetic_raw, ["engine.rounds=3", "engine.executor=serial"], tmp_path)
 
 
-def test_scoring_in_place_leaves_a_server_trained_conv_model_as_it_was(synthetic_raw):
+def test_scoring_in_place_leaves_a_server_trained_conv_model_as_it_was(synthetic_raw, tmp_path):
     # FedFD distils into its global model every round; scoring placed it channels-last when it
     # was scored in place (pipeline_eval=false), and the next rounds' sums ran in another order.
     synthetic_raw["data"]["options"] = {"num_samples": 400, "num_test": 200, "shape": [1, 16, 16]}
@@ -65,32 +65,32 @@ def test_scoring_in_place_leaves_a_server_trained_conv_model_as_it_was(synthetic
     synthetic_raw["model"] = {"architectures": ["resnet18_w1", "resnet18_w2"]}
     synthetic_raw["algorithm"] = {"name": "fedfd", "global_arch": "resnet18_w2", "steps": 3}
     base = ["engine.rounds=3", "engine.executor=serial"]
-    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"])
-    on, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true"])
+    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"], tmp_path)
+    on, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true"], tmp_path)
     assert all("global/acc" in r for r in off)
     assert [comparable(r) for r in off] == [comparable(r) for r in on]
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("server_in", ["driver", "actor"])
-def test_pipelined_evaluation_gives_the_same_rows_ray(ray_local, synthetic_raw, server_in):
+def test_pipelined_evaluation_gives_the_same_rows_ray(
+    ray_local, synthetic_raw, server_in, tmp_path
+):
     base = ["engine.rounds=3", "engine.executor=ray", "engine.num_workers=2"]
-    check(synthetic_raw, [*base, f"engine.server_in={server_in}"])
+    check(synthetic_raw, [*base, f"engine.server_in={server_in}"], tmp_path)
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("server_in", ["driver", "actor"])
 def test_the_last_round_is_scored_by_the_server_without_an_evaluation_actor(
-    ray_local, synthetic_raw, server_in
+    ray_local, synthetic_raw, server_in, tmp_path
 ):
     """Evaluation only after the last round: the server, idle then, scores its models while
     the clients evaluate; no evaluation actor is started for it."""
     base = ["engine.rounds=2", "engine.eval_every=2", "engine.executor=ray", "engine.num_workers=2"]
     base.append(f"engine.server_in={server_in}")
-    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"])
-    sim = Simulation(
-        build_config(synthetic_raw, [*base, "engine.pipeline_eval=true"]), "/tmp/unused"
-    )
+    off, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=false"], tmp_path)
+    sim = Simulation(build_config(synthetic_raw, [*base, "engine.pipeline_eval=true"]), tmp_path)
     on = sim.run().history
     assert [comparable(r) for r in off] == [comparable(r) for r in on]
     assert "proxy/acc" in on[-1] and "time/eval_wait_s" in on[-1]
@@ -140,7 +140,7 @@ def record_clients_evaluate(monkeypatch, calls):
 
 @pytest.mark.ray
 def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
-    ray_local, synthetic_raw, monkeypatch
+    ray_local, synthetic_raw, monkeypatch, tmp_path
 ):
     """The server runs one call at a time: its last scoring is submitted after the broadcast
     that the clients' deployed evaluation needs, so the two evaluations run side by side."""
@@ -156,14 +156,16 @@ def test_the_last_scoring_waits_behind_the_broadcast_not_ahead_of_it(
     monkeypatch.setattr(RayExecutor, "__init__", recording_init)
     record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=1", "engine.executor=ray", "engine.num_workers=2"]
-    history, _ = run(synthetic_raw, [*base, "engine.pipeline_eval=true", "engine.server_in=actor"])
+    history, _ = run(
+        synthetic_raw, [*base, "engine.pipeline_eval=true", "engine.server_in=actor"], tmp_path
+    )
     assert "proxy/acc" in history[-1]
     assert calls == ["broadcast", "step_deferred", "broadcast", "score", "clients evaluate"]
 
 
 @pytest.mark.ray
 def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients(
-    ray_local, synthetic_raw, monkeypatch
+    ray_local, synthetic_raw, monkeypatch, tmp_path
 ):
     """In the driver, the scoring of every round but the last starts with the step (it runs
     while the next round trains); the last one's starts after the deployed evaluation's
@@ -180,7 +182,7 @@ def test_a_server_in_the_driver_scores_its_models_in_a_thread_beside_the_clients
     monkeypatch.setattr(executor_mod.RayExecutor, "_score_in_driver", recording)
     record_clients_evaluate(monkeypatch, calls)
     base = ["engine.rounds=2", "engine.executor=ray", "engine.num_workers=2"]
-    sim = Simulation(build_config(synthetic_raw, [*base, "engine.server_in=driver"]), "/tmp/unused")
+    sim = Simulation(build_config(synthetic_raw, [*base, "engine.server_in=driver"]), tmp_path)
     history = sim.run().history
     assert all("proxy/acc" in row for row in history)
     assert calls == ["rayfl-score", "clients evaluate", "rayfl-score", "clients evaluate"]
@@ -192,8 +194,8 @@ class StopAfterFirst(Callback):
         self.should_stop = True
 
 
-def test_a_stop_during_a_pipelined_round_drops_that_round(synthetic_raw):
+def test_a_stop_during_a_pipelined_round_drops_that_round(synthetic_raw, tmp_path):
     for pipeline in ("true", "false"):
         cfg = build_config(synthetic_raw, ["engine.rounds=3", f"engine.pipeline_eval={pipeline}"])
-        history = Simulation(cfg, "/tmp/unused", [StopAfterFirst()]).run().history
+        history = Simulation(cfg, tmp_path, [StopAfterFirst()]).run().history
         assert [r["round"] for r in history] == [1.0]

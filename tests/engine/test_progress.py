@@ -12,6 +12,8 @@ from rayfl.engine.callbacks import Callback, ProgressBar
 from rayfl.launch import simulate
 from tests.conftest import SYNTHETIC
 
+pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
+
 # 6 clients, all in every round, 2 per call: three batches per phase
 OVERRIDES = ["engine.clients_per_call=2", "engine.rounds=2"]
 

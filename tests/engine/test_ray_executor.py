@@ -18,17 +18,21 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
-def history(raw, overrides):
-    return Simulation(build_config(raw, overrides), "/tmp/unused").run().history
+def history(run_dir, raw, overrides):
+    return Simulation(build_config(raw, overrides), run_dir).run().history
 
 
-def test_ray_equals_serial_whatever_the_worker_count(ray_local, synthetic_raw):
-    serial = history(synthetic_raw, ["engine.executor=serial"])
+def test_ray_equals_serial_whatever_the_worker_count(ray_local, synthetic_raw, tmp_path):
+    serial = history(tmp_path, synthetic_raw, ["engine.executor=serial"])
     one = history(
-        synthetic_raw, ["engine.executor=ray", "engine.num_workers=1", "engine.clients_per_call=4"]
+        tmp_path,
+        synthetic_raw,
+        ["engine.executor=ray", "engine.num_workers=1", "engine.clients_per_call=4"],
     )
     two = history(
-        synthetic_raw, ["engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"]
+        tmp_path,
+        synthetic_raw,
+        ["engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"],
     )
     assert "pfedes/kl_local_proxy" in serial[-1] and "personal/acc_mean" in serial[-1]
     assert (
@@ -40,17 +44,19 @@ def test_ray_equals_serial_whatever_the_worker_count(ray_local, synthetic_raw):
 
 @pytest.mark.parametrize("protocol", ["deployed", "after_fit"])
 def test_each_protocol_gives_ray_the_serial_numbers_with_partial_participation(
-    ray_local, synthetic_raw, protocol
+    ray_local, synthetic_raw, protocol, tmp_path
 ):
     # 3 of 6 clients a round: `deployed` also scores the three that did not train (one of them
     # never trained yet in round 1), on the workers, batched per call.
     common = ["engine.clients_per_round=3", f"eval.protocol={protocol}"]
-    serial = history(synthetic_raw, [*common, "engine.executor=serial"])
+    serial = history(tmp_path, synthetic_raw, [*common, "engine.executor=serial"])
     one = history(
+        tmp_path,
         synthetic_raw,
         [*common, "engine.executor=ray", "engine.num_workers=1", "engine.clients_per_call=4"],
     )
     two = history(
+        tmp_path,
         synthetic_raw,
         [*common, "engine.executor=ray", "engine.num_workers=2", "engine.clients_per_call=1"],
     )
@@ -98,11 +104,11 @@ def test_impossible_resources_are_a_clear_error(ray_local, synthetic_raw):
 
 
 def test_a_worker_killed_during_the_round_is_restarted_by_ray_with_the_serial_numbers(
-    ray_local, synthetic_raw
+    ray_local, synthetic_raw, tmp_path
 ):
     # Ray restarts the worker (max_restarts) and re-runs its call (max_task_retries); the
     # restarted process sets itself up from the call's `setup` and gets the same client states.
-    expected = history(synthetic_raw, ["engine.executor=serial", "engine.rounds=1"])
+    expected = history(tmp_path, synthetic_raw, ["engine.executor=serial", "engine.rounds=1"])
     ex, archs = executor(
         synthetic_raw,
         [

@@ -61,6 +61,7 @@ def test_the_best_round_is_chosen_on_validation_never_on_test() -> None:
     assert at_best_val([{k: v for k, v in r.items() if "val" not in k} for r in history]) == {}
 
 
+@pytest.mark.slow
 def test_run_directory_holds_the_per_client_table(tmp_path, synthetic_raw) -> None:
     raw = copy.deepcopy(synthetic_raw)
     raw["data"]["val_fraction"] = 0.2
@@ -87,6 +88,7 @@ def test_run_directory_holds_the_per_client_table(tmp_path, synthetic_raw) -> No
     assert "at best validation round" in table and "not reached" in table
 
 
+@pytest.mark.slow
 def test_the_per_client_table_names_each_clients_domain(tmp_path, synthetic_raw) -> None:
     raw = copy.deepcopy(synthetic_raw)
     raw["data"]["domains"] = {"transforms": ["identity", "rotate:90"]}

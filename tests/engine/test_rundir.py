@@ -45,6 +45,7 @@ def test_summary_json_is_strict_even_with_nan_metrics(synthetic_raw, tmp_path):
     assert summary["final"]["proxy/acc"] is None
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_directory_stops_naming_the_owner(tmp_path):
     holder = subprocess.Popen(
         [
@@ -69,6 +70,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_owner(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_out_is_checked_before_any_work(tmp_path, synthetic_raw):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -82,6 +84,7 @@ def test_out_is_checked_before_any_work(tmp_path, synthetic_raw):
         simulate(build_config(raw), blocker / "run", progress=False)
 
 
+@pytest.mark.slow
 def test_a_failed_resume_leaves_summary_and_metrics_alone(synthetic_raw, tmp_path):
     cfg = build_config(synthetic_raw, ["engine.checkpoint_every=0"])
     simulate(cfg, tmp_path, progress=False)
@@ -92,6 +95,7 @@ def test_a_failed_resume_leaves_summary_and_metrics_alone(synthetic_raw, tmp_pat
     assert after == before
 
 
+@pytest.mark.slow
 def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 

@@ -21,8 +21,8 @@ from rayfl.engine.loop import Simulation
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serial_run_records_its_start_up_in_the_first_row(synthetic_raw):
-    history = Simulation(build_config(synthetic_raw), "/tmp/unused").run().history
+def test_serial_run_records_its_start_up_in_the_first_row(synthetic_raw, tmp_path):
+    history = Simulation(build_config(synthetic_raw), tmp_path).run().history
     first = history[0]
     for phase in ("imports", "data_load", "executor", "first_round_at"):
         assert first[f"time/startup/{phase}_s"] >= 0.0
@@ -31,8 +31,8 @@ def test_serial_run_records_its_start_up_in_the_first_row(synthetic_raw):
 
 
 @pytest.mark.ray
-def test_ray_run_records_the_actor_phases(ray_local, synthetic_raw):
-    first = Simulation(build_config(synthetic_raw, ["engine.executor=ray"]), "/tmp/unused")
+def test_ray_run_records_the_actor_phases(ray_local, synthetic_raw, tmp_path):
+    first = Simulation(build_config(synthetic_raw, ["engine.executor=ray"]), tmp_path)
     first = first.run().history[0]
     for phase in ("ray_start", "actors_launch", "data_load", "dataset_put", "actors_ready"):
         assert f"time/startup/{phase}_s" in first

@@ -63,19 +63,19 @@ def test_module_lrs_give_a_module_its_own_step():
     assert a.weight.item() == -1.0 and b.weight.item() == -0.25
 
 
-def local_weights(raw, overrides):
-    sim = Simulation(build_config(raw, overrides), "/tmp/unused")
+def local_weights(raw, overrides, run_dir):
+    sim = Simulation(build_config(raw, overrides), run_dir)
     sim.run()
     states = dict(sim.executor.client_states(range(6)))
     return {c: {k: v for k, v in s.items() if k.startswith("model.")} for c, s in states.items()}
 
 
-def test_pfedes_beta0_equals_local_bit_for_bit_with_grad_clip(synthetic_raw):
+def test_pfedes_beta0_equals_local_bit_for_bit_with_grad_clip(synthetic_raw, tmp_path):
     # The local model learns by CE only (the proxy's KD target is detached), so with the
     # gradient clipped per module, pFedES's local models are exactly Local's.
     common = ["train.grad_clip=0.05", "engine.rounds=2"]
-    pfedes = local_weights(synthetic_raw, [*common, "algorithm.beta=0"])
-    local = local_weights(synthetic_raw, [*common, "algorithm.name=local"])
+    pfedes = local_weights(synthetic_raw, [*common, "algorithm.beta=0"], tmp_path)
+    local = local_weights(synthetic_raw, [*common, "algorithm.name=local"], tmp_path)
     assert pfedes.keys() == local.keys() and len(local) == 6
     for c in local:
         for k in local[c]:
@@ -96,6 +96,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_keep_tensor_memory_reuses_freed_tensor_memory_instead_of_faulting_it_in_again():
     """Large evaluation batches in a Ray actor: without it every batch maps and faults in

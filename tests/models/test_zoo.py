@@ -252,6 +252,7 @@ def test_builders_are_deterministic_under_a_seed() -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_importing_models_does_not_import_ray_or_mlflow() -> None:
     code = (
         "import sys, rayfl.models, rayfl.models.zoo, rayfl.models.families, "

@@ -7,6 +7,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from rayfl.tracking.mlflow import MlflowTracker
 from tests.conftest import SYNTHETIC
 from tests.interrupts import InterruptAfterRound
@@ -14,6 +16,7 @@ from tests.interrupts import InterruptAfterRound
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
     from mlflow import MlflowClient
 
@@ -61,6 +64,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_creating_one_fresh_sqlite_store_both_succeed(tmp_path):
     uri = f"sqlite:///{tmp_path}/fresh/mlflow.db"
     start = time.time() + 8.0  # both processes have imported mlflow by then
@@ -100,6 +104,7 @@ def test_mark_killed_only_touches_running_runs(tmp_path):
     assert client.get_run(done.run_id).info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
     import pytest
     from mlflow import MlflowClient

@@ -44,6 +44,7 @@ def tracked_run(tmp_path, monkeypatch):
     return uri, parent.tracker_run_id, child.tracker_run_id
 
 
+@pytest.mark.slow
 def test_mlflow_run_carries_provenance(tracked_run):
     from mlflow import MlflowClient
 
