@@ -54,8 +54,8 @@ from rayfl.config import RunConfig, build_config, clients_per_round, read_yaml
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
+from rayfl.gate import write as write_atomic
 from rayfl.resources import local_cpus, worker_capacity
-from rayfl.safefile import write_atomic
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ def simulate(
     parent_run_id: str | None = None,
     extra_callbacks: Sequence[Any] = (),
     early: Any = None,
+    existing: str = "refuse",
 ) -> Any:
     """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
 
@@ -77,23 +78,38 @@ def simulate(
     checkpoint is verified. A resume continues the MLflow run recorded in the directory.
     `early`: a `rayfl.engine.early.EarlyRay` already starting Ray for this run (`rayfl run`
     starts it before checking the config); the simulation owns it from here.
+    `existing`: what a new run does with a run already in `run_dir`: `refuse` (one line),
+    `archive` (moved aside, `--force`) or `replace` (a suite's or sweep's own rerun).
     """
     from rayfl.engine.checkpoint import Checkpoint
-    from rayfl.engine.rundir import RunLock, check_run_dir, check_writable
+    from rayfl.engine.rundir import RunLock, archive, check_mlflow_ref, check_writable, is_run
+    from rayfl.errors import UserError
 
     run_dir = Path(run_dir)
+    created = not os.path.lexists(run_dir)
     try:
+        if not resume and existing != "replace" and is_run(run_dir):
+            if existing != "archive":
+                raise UserError(
+                    f"--out {run_dir}: holds a run already; choose another --out, continue it "
+                    "with --resume, or pass --force to move it aside first"
+                )
+            archive(run_dir)
         check_writable(run_dir)
         with RunLock(run_dir):
-            if resume:  # every resume (CLI, Python API, a suite's runs) reads an untrusted folder
-                check_run_dir(run_dir)
             checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
-            if resume:
+            if resume:  # every resume (CLI, Python API, a suite's runs) goes through the gate
+                check_mlflow_ref(run_dir, cfg)
                 checkpoint.verify(cfg)
             owned, early = early, None
             return _simulate_locked(
                 cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks, owned
             )
+    except UserError:
+        if created:  # a refused run leaves nothing behind
+            with suppress(OSError):
+                run_dir.rmdir()
+        raise
     finally:
         if early is not None:  # failed before the simulation took it over
             early.cancel()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.safefile import write_with
+from rayfl.gate import write_with
 
 
 def columns(rows: Sequence[Mapping[str, Any]], key: Callable[[str], Any] | None = None) -> Any:

@@ -15,7 +15,7 @@ import yaml
 from rayfl.config import RunConfig, to_dict
 from rayfl.engine.background import Background
 from rayfl.engine.rundir import strict_json
-from rayfl.safefile import write_atomic
+from rayfl.gate import write as write_atomic
 from rayfl.tables import write_table
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class RunDirectory(Callback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
         if sim.start_round > 1 and (self.run_dir / CLIENTS_FILE).is_file():
-            from rayfl.safefile import read_table
+            from rayfl.gate import read_table
 
             self._clients_before = [
                 r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round

@@ -29,7 +29,7 @@ from urllib.parse import unquote
 import yaml
 
 from rayfl.errors import UserError
-from rayfl.locking import locked
+from rayfl.gate import locked
 from rayfl.tracking.base import (
     TrackerBase,
     check_status,

@@ -13,7 +13,7 @@ import yaml
 from rayfl.config import (
     to_dict,
 )
-from rayfl.safefile import write_atomic
+from rayfl.gate import write as write_atomic
 from rayfl.tables import write_table
 from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from rayfl import gate
 from rayfl.errors import UserError
-from rayfl.safefile import is_file, read_json, write_atomic
 from rayfl.tune.report import (
     SweepResult,
     _best,
@@ -146,24 +146,41 @@ def tune_storage(t: TuneSettings, out: Path) -> str:
     return t.storage or str(out / "tune")
 
 
+SEAL = "tune_state.json"  # the sha256 of every file Tune wrote under <out>/tune
+
+
 def read_state(out: Path) -> dict[str, Any]:
     """`out/sweep.json` (the fingerprint and MLflow parent run of an earlier start), {} when
-    there is none. Read through rayfl.safefile: the sweep folder is untrusted input
-    (docs/security.md).
-
-    Raises:
-        UserError: it is a symlink, FIFO, oversized, too deeply nested or not a JSON object.
-    """
-    path = out / "sweep.json"
-    if not is_file(path):
+    there is none; read through the gate (what this user's rayfl wrote)."""
+    try:
+        return dict(gate.read_json(out / "sweep.json"))
+    except FileNotFoundError:
         return {}
-    state = read_json(path)
-    if not isinstance(state, dict) or not isinstance(state.get("parent_run_id"), str | None):
+
+
+def seal_tune_state(out: Path) -> None:
+    """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
+    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
+        hashes = tune_dir.tree_hashes()
+        folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
+
+
+def check_tune_state(out: Path) -> None:
+    """Refuse to restore Tune's state under `<out>/tune` unless every file there is one this
+    user's rayfl sealed (`seal_tune_state`), unchanged, before Tune unpickles any of it."""
+    try:
+        sealed = gate.read_json(out / SEAL)
+    except FileNotFoundError:
         raise UserError(
-            f"{path}: not the state rayfl writes for a sweep; remove it (or the folder) "
-            "or choose another --out"
-        )
-    return state
+            f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed, or not "
+            "written by your rayfl), so it is not restored; start the sweep with another --out"
+        ) from None
+    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
+        if tune_dir.tree_hashes() != sealed:
+            raise UserError(
+                f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
+                "planted files), so it is not restored; start the sweep with another --out"
+            )
 
 
 def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> SweepResult:
@@ -172,6 +189,11 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
+    inside = not t.storage  # Tune's storage in the sweep folder: created and checked by the gate
+    if inside:
+        with gate.Folder(out, create=True) as folder:
+            folder.sub("tune", create=True).close()
+            folder.sub("trials", create=True).close()
     storage = tune_storage(t, out)
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
@@ -185,8 +207,9 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         raise UserError(
             f"{out} holds sweep {sweep.name} with another space, base or settings; resume it unchanged or choose another --out"
         )
+    if restoring and inside:
+        check_tune_state(out)
     _check_fits(sweep, strict=strict_fit)
-    out.mkdir(parents=True, exist_ok=True)
 
     parent: ParentRun | None = None
     uri: str | None = None
@@ -196,8 +219,8 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
         parent = ParentRun(sweep, uri, state.get("parent_run_id") if restoring else None)
     state = {"fingerprint": fingerprint, "parent_run_id": parent.run_id if parent else None}
-    write_atomic(state_path, json.dumps(state, indent=2).encode())
-    write_atomic(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
+    gate.write(state_path, json.dumps(state, indent=2).encode())
+    gate.write(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
 
     root = sweep.config.data.root
     job = TrialJob(
@@ -275,6 +298,8 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         status = "KILLED"
         raise
     finally:
+        if inside:
+            seal_tune_state(out)
         if parent is not None:
             parent.close(status)
 
