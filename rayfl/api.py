@@ -200,7 +200,7 @@ def suite(
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    from rayfl.gate import read_table
+    from rayfl.tables import read_table
 
     return read_table(path)
 

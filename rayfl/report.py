@@ -31,6 +31,7 @@ from typing import Any
 
 from rayfl import gate
 from rayfl.errors import UserError
+from rayfl.tables import read_table
 
 MAX_DRAWN = 24  # metrics (one panel each) and architectures (bars) drawn
 MAX_ROWS = 500  # rows of a table, and architectures listed
@@ -131,14 +132,14 @@ def page(title: str, subtitle: str, sections: Sequence[tuple[str, str]]) -> str:
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    return gate.read_table(path)
+    return read_table(path)
 
 
 def _history(path: Path) -> list[dict[str, Any]]:
     """A run's metrics.parquet: rows of numbers ({} cells dropped where they are not)."""
     return [
         {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        for row in gate.read_table(path)
+        for row in read_table(path)
     ]
 
 

@@ -28,7 +28,7 @@ from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
 from rayfl.config import RunConfig
 from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
 from rayfl.errors import ConfigError, UserError
-from rayfl.tables import write_table
+from rayfl.tables import read_table, write_table
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
 
 
 def _read_history(run_dir: Path) -> list[dict[str, float]]:
-    return gate.read_table(run_dir / "metrics.parquet")
+    return read_table(run_dir / "metrics.parquet")
 
 
 def finished_row(
@@ -388,7 +388,7 @@ def _run_locked(
     from rayfl.tracking.plots import plot_compare
 
     gate.write(out_dir / "suite.yaml", path.read_bytes())
-    previous = {r["run_dir"]: r for r in gate.read_table(out_dir / "runs.parquet")}
+    previous = {r["run_dir"]: r for r in read_table(out_dir / "runs.parquet")}
     parent = _parent_tracker(suite, path, overrides, out_dir)
     parent_id = getattr(parent, "run_id", None)
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)

@@ -247,7 +247,7 @@ class RunDirectory(Callback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
         if sim.start_round > 1 and (self.run_dir / CLIENTS_FILE).is_file():
-            from rayfl.gate import read_table
+            from rayfl.tables import read_table
 
             self._clients_before = [
                 r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round

@@ -130,6 +130,7 @@ def sweep_and_report(
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
     state = read_state(out_dir)  # before Ray starts: a planted sweep.json costs no start-up
+    check_folder(sweep, out_dir)
     e = sweep.config.engine
     started = init_ray(e.address, e.ray_num_cpus)
     try:
@@ -158,11 +159,47 @@ def read_state(out: Path) -> dict[str, Any]:
         return {}
 
 
+def tree_hashes(top: gate.Folder, limit: int = 100_000) -> dict[str, str]:
+    """``relative path -> sha256`` of every file below ``top`` (at most ``limit`` files); a
+    link, FIFO or device is refused."""
+    import hashlib
+
+    out: dict[str, str] = {}
+
+    def walk(folder: gate.Folder, prefix: str) -> None:
+        for name in folder.names():
+            kind = folder.kind(name)
+            if kind == "dir":
+                with folder.sub(name) as child:
+                    walk(child, f"{prefix}{name}/")
+            elif kind == "file" and len(out) < limit:
+                data = folder.read_raw(name, gate.TABLE_LIMIT)
+                out[prefix + name] = hashlib.sha256(data).hexdigest()
+            else:
+                raise gate.refuse(folder.path / name, f"is {kind or 'gone'}, not a plain file")
+
+    walk(top, "")
+    return out
+
+
 def seal_tune_state(out: Path) -> None:
     """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
     with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        hashes = tune_dir.tree_hashes()
+        hashes = tree_hashes(tune_dir)
         folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
+
+
+def check_folder(sweep: Sweep, out: Path) -> None:
+    """Before Ray starts: `<out>/tune` and `<out>/trials` are real folders made through the gate
+    (a planted link is refused), and Tune's state there, if any, is what this user's rayfl
+    sealed (`check_tune_state`). A `tune.storage` the user named is theirs to trust."""
+    if sweep.tune.storage:
+        return
+    with gate.Folder(out, create=True) as folder:
+        folder.sub("trials", create=True).close()
+        with folder.sub("tune", create=True) as tune_dir:
+            if sweep.tune.resume and tune_dir.kind(sweep.name) is not None:
+                check_tune_state(out)
 
 
 def check_tune_state(out: Path) -> None:
@@ -176,7 +213,7 @@ def check_tune_state(out: Path) -> None:
             "written by your rayfl), so it is not restored; start the sweep with another --out"
         ) from None
     with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        if tune_dir.tree_hashes() != sealed:
+        if tree_hashes(tune_dir) != sealed:
             raise UserError(
                 f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
                 "planted files), so it is not restored; start the sweep with another --out"
@@ -189,11 +226,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
-    inside = not t.storage  # Tune's storage in the sweep folder: created and checked by the gate
-    if inside:
-        with gate.Folder(out, create=True) as folder:
-            folder.sub("tune", create=True).close()
-            folder.sub("trials", create=True).close()
+    inside = not t.storage  # Tune's storage in the sweep folder: sealed by the gate at the end
     storage = tune_storage(t, out)
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
@@ -207,8 +240,6 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         raise UserError(
             f"{out} holds sweep {sweep.name} with another space, base or settings; resume it unchanged or choose another --out"
         )
-    if restoring and inside:
-        check_tune_state(out)
     _check_fits(sweep, strict=strict_fit)
 
     parent: ParentRun | None = None
@@ -299,7 +330,12 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         raise
     finally:
         if inside:
-            seal_tune_state(out)
+            try:
+                seal_tune_state(out)
+            except (OSError, UserError) as exc:  # the sweep's own error, if any, goes on
+                log.warning(
+                    "Tune's state in %s was not sealed (%s): it cannot be resumed", out, exc
+                )
         if parent is not None:
             parent.close(status)
 
