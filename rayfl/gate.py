@@ -40,9 +40,7 @@ _MAC = b"rayfl-manifest/1\0"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_WRITE = threading.Lock()  # manifest updates of this process's threads
-_trust = threading.local()
-_KEYS: dict[str, bytes] = {}
+_WRITE, _trust, _KEYS = threading.Lock(), threading.local(), dict[str, bytes]()
 _NOT_VOUCHED = (
     "was not written by your rayfl or was changed since (its folder's authenticated manifest "
     "does not vouch for it); report and ls-runs read others' folders with --untrusted"
@@ -99,11 +97,11 @@ def _mac(body: bytes) -> bytes:
 
 
 @contextlib.contextmanager
-def untrusted() -> Iterator[None]:
+def untrusted(on: bool = True) -> Iterator[None]:
     """Reads in this thread skip authentication (a colleague's folder, read-only commands);
-    writes through the gate are refused meanwhile."""
+    writes through the gate are refused meanwhile (``on=False``: back to normal inside)."""
     before = is_untrusted()
-    _trust.off = True
+    _trust.off = on
     try:
         yield
     finally:
@@ -251,7 +249,12 @@ class Folder:
         threads and other processes writing the folder (``flock``)."""
         self._check_writable()
         with _WRITE:
-            fd = os.open(MANIFEST + ".lock", _NEW & ~os.O_EXCL | os.O_RDWR, 0o644, dir_fd=self.fd)
+            fd = os.open(
+                MANIFEST + ".lock",
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=self.fd,
+            )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 entries = self.manifest()

@@ -118,7 +118,8 @@ def figure(draw: Callable[[Path], Any], alt: str) -> str:
     """Render a plot function into a temporary PNG and inline it."""
     with tempfile.TemporaryDirectory(prefix="rayfl-report-") as tmp:
         path = Path(tmp) / "figure.png"
-        draw(path)
+        with gate.untrusted(False):  # a private temporary folder of this process
+            draw(path)
         return image(path, alt)
 
 
@@ -152,8 +153,13 @@ def _drawn_curves(history: list[dict[str, Any]]) -> tuple[Callable[[Path], Any],
 
 
 def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; a link or special file there is refused."""
     with gate.Folder(path.parent) as folder:
-        return folder.kind(path.name) == "file"
+        kind = folder.kind(path.name)
+    if kind not in (None, "file"):
+        what = "symbolic link" if kind == "link" else kind
+        raise gate.refuse(path, f"is a {what}, not a regular file")
+    return kind == "file"
 
 
 # --------------------------------------------------------------------------- a run
@@ -514,7 +520,7 @@ def sweep_report(out_dir: Path) -> str:
         try:
             with gate.Folder(out_dir).sub(f"trials/{r.get('trial', '')}") as trial:
                 history = _history(trial.path / "metrics.parquet")
-        except FileNotFoundError:
+        except (FileNotFoundError, UserError):  # not a real folder inside the sweep's
             history = []
         points = [
             (int(h["round"]), float(h[metric]))
@@ -555,12 +561,8 @@ def sweep_report(out_dir: Path) -> str:
 
 def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
-    with gate.Folder(path) as folder:
-        has = {
-            n
-            for n in ("summary.json", "runs.parquet", "suite.yaml", "results.parquet", "sweep.yaml")
-            if folder.kind(n) == "file"
-        }
+    names = ("summary.json", "runs.parquet", "suite.yaml", "results.parquet", "sweep.yaml")
+    has = {n for n in names if _is_file(path / n)}
     if "summary.json" in has:
         return "run"
     if has & {"runs.parquet", "suite.yaml"}:

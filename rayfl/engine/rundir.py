@@ -248,6 +248,7 @@ def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
         raise UserError(
             f"--resume {run_dir}: no config.yaml there; pass a run directory written by rayfl run"
         ) from None
+    read_summary(run_dir)  # every file a resume may read is what this user's rayfl wrote
     from rayfl import plugins
 
     if plugins.KEY in raw:  # importing them would run code named by the directory

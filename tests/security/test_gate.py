@@ -97,13 +97,25 @@ def test_a_file_changed_after_a_legit_run_is_refused_by_every_command(world, cap
     assert not (run_dir / "report.html").exists()
 
 
-@pytest.mark.parametrize("name", ["summary.json", "config.yaml", "metrics.parquet"])
-def test_a_symlink_planted_in_a_run_is_never_followed(world, capsys, name):
+@pytest.mark.parametrize(
+    ("name", "commands"),
+    [
+        ("summary.json", ["report", "resume", "ls-runs"]),
+        ("config.yaml", ["report", "resume"]),  # ls-runs never reads it
+        ("metrics.parquet", ["report"]),  # a resume replaces it, never writing through it
+    ],
+)
+def test_a_symlink_planted_in_a_run_is_never_followed(world, capsys, name, commands):
     run_dir, victim, _ = world
     (run_dir / name).unlink()
     (run_dir / name).symlink_to(victim)
-    refused(["report", str(run_dir)], capsys)
-    refused(["run", "--resume", str(run_dir)], capsys)
+    argv = {
+        "report": ["report", str(run_dir)],
+        "resume": ["run", "--resume", str(run_dir)],
+        "ls-runs": ["ls-runs", str(run_dir.parent)],
+    }
+    for command in commands:
+        assert "symbolic link" in refused(argv[command], capsys)
     assert victim.read_bytes() == VICTIM
 
 
@@ -165,13 +177,13 @@ def test_a_manifest_under_another_key_is_refused(world, capsys, tmp_path, monkey
     assert cli.main(["report", "--untrusted", str(run_dir)]) == 0  # read-only: allowed
 
 
-def test_a_key_file_others_can_read_is_refused(tmp_path, monkeypatch, capsys):
+def test_a_key_file_others_can_read_is_refused(world, tmp_path, monkeypatch, capsys):
+    run_dir, _, _ = world
     key = tmp_path / "key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o644)
     monkeypatch.setenv(gate.KEY_ENV, str(key))
-    (tmp_path / "r").mkdir()
-    assert "mode 0600" in refused(["ls-runs", str(tmp_path / "r")], capsys)
+    assert "mode 0600" in refused(["report", str(run_dir)], capsys)
 
 
 # ------------------------------------------------------------------ report: bounded, escaped
