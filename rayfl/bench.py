@@ -180,7 +180,9 @@ def _variant_main(config_path: str, run_dir: str) -> None:
     # as `rayfl run --out run_dir` does: Ray starts before the check, spilling under run_dir
     cfg, early = load_for_run(config_path, run_dir=run_dir)
     probe = StoreProbe(cfg.engine.spill_dir or spill_dir(run_dir))
-    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe], early=early)
+    result = simulate(
+        cfg, run_dir, progress=False, extra_callbacks=[probe], early=early, existing="replace"
+    )
     history = result.history
     report = {
         "rounds": [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in history],
