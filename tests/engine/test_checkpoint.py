@@ -200,5 +200,3 @@ def test_resume_may_change_placement_but_not_the_numbers(synthetic_raw, tmp_path
     restored = Checkpoint(tmp_path, 1, resume=True).verify(cfg2)
     assert restored.round == 1 and [r["round"] for r in restored.history] == [1.0]
     assert restored.client_ids() == list(range(6))
-
-
