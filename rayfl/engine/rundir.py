@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,10 @@ def archive(run_dir: Path) -> Path:
     """Move the run in ``run_dir`` aside to ``<run_dir>.archived-<time>`` (``--force``)."""
     run_dir = Path(run_dir)
     aside = run_dir.with_name(f"{run_dir.name}.archived-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.rename(aside)
+    try:
+        os.rename(run_dir, aside)  # never onto an existing folder (a second --force this second)
+    except OSError as exc:
+        raise UserError(f"--force: cannot move {run_dir} to {aside} ({exc.strerror})") from None
     log.warning("the earlier run in %s was moved to %s", run_dir, aside)
     return aside
 
