@@ -94,6 +94,7 @@ def run(
     plugins: Sequence[str] = (),
     progress: bool = True,
     resume: bool = False,
+    force: bool = False,
     **overrides: Any,
 ) -> RunResult:
     """Run one simulation, like `rayfl run`.
@@ -107,6 +108,7 @@ def run(
             (`--plugin`; relative to the current directory).
         progress: show the progress bar on stderr.
         resume: continue the run in `out` from its last checkpoint.
+        force: `out` holds a run already: move it aside (`<out>.archived-<time>`) first.
         **overrides: config overrides, e.g. `engine__rounds=2` or `engine={"rounds": 2}`.
 
     Returns:
@@ -129,7 +131,8 @@ def run(
         if resume and out is None:
             raise UserError("rayfl.run(resume=True) needs out=<the run directory to continue>")
         run_dir = Path(out) if out is not None else default_run_dir(cfg)
-        result = simulate(cfg, run_dir, progress=progress, resume=resume)
+        existing = "archive" if force else "refuse"
+        result = simulate(cfg, run_dir, progress=progress, resume=resume, existing=existing)
         return RunResult(
             final=dict(result.final),
             history=list(result.history),
@@ -198,9 +201,9 @@ def suite(
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    from rayfl.tables import read_table
 
-    return pq.read_table(path).to_pylist() if path.is_file() else []
+    return read_table(path)
 
 
 def sweep(

@@ -171,7 +171,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
     try:
-        result = simulate(cfg, run_dir, progress=not args.no_progress, resume=bool(args.resume))
+        result = simulate(
+            cfg,
+            run_dir,
+            progress=not args.no_progress,
+            resume=bool(args.resume),
+            existing="archive" if args.force else "refuse",
+        )
     except KeyboardInterrupt:
         raise Interrupted(
             f"the run directory keeps its last checkpoint; resume with: "
@@ -190,9 +196,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_ls_runs(args: argparse.Namespace) -> int:
-    from rayfl.engine.rundir import list_runs
+    import contextlib
 
-    runs = list_runs(Path(args.dir))
+    from rayfl.engine.rundir import list_runs
+    from rayfl.gate import untrusted
+
+    with untrusted() if args.untrusted else contextlib.nullcontext():
+        runs = list_runs(Path(args.dir))
     if not runs:
         print(f"no run directories in {args.dir}")
         return 0
@@ -402,7 +412,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from rayfl.report import write_report
 
-    print(f"report: {write_report(args.dir, args.out)}")
+    print(f"report: {write_report(args.dir, args.out, untrusted=args.untrusted)}")
     return 0
 
 
@@ -488,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory (default runs/<name>-<algorithm>-s<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--force", action="store_true", help="--out holds a run: move it aside, then run"
+    )
     _plugin_option(p)
     p.set_defaults(fn=cmd_run)
 
@@ -523,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "ls-runs", "list run directories with status, rounds and metric (marks killed runs)"
     )
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
+    p.add_argument(
+        "--untrusted",
+        action="store_true",
+        help="read a folder your rayfl did not write (a colleague's): bounded, changes nothing",
+    )
     p.set_defaults(fn=cmd_ls_runs)
 
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
@@ -549,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
         "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
     )
     p.add_argument("--out", help="the HTML file (default DIR/report.html)")
+    p.add_argument(
+        "--untrusted",
+        action="store_true",
+        help="read a folder your rayfl did not write (a colleague's): bounded, changes nothing",
+    )
     p.set_defaults(fn=cmd_report)
     return parser
 

@@ -7,8 +7,10 @@ Ray and the engine are imported inside the functions that need them, so importin
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ def simulate(
     resume: bool = False,
     parent_run_id: str | None = None,
     extra_callbacks: Sequence[Any] = (),
+    existing: str = "refuse",
 ) -> Any:
     """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
 
@@ -35,27 +38,42 @@ def simulate(
     machine (a GPU asked of a machine without one), the run directory is created and checked
     writable, locked for this process (a second run on it stops with one line) and, for a
     resume, its checkpoint is verified. A resume continues the MLflow run recorded in the
-    directory.
+    directory. `existing`: what a new run does with a run already in `run_dir`: `refuse` (one
+    line), `archive` (moved aside, `--force`) or `replace` (a suite's or sweep's own rerun).
     """
     import ray
 
     from rayfl.engine.checkpoint import Checkpoint
-    from rayfl.engine.rundir import RunLock, check_run_dir, check_writable
+    from rayfl.engine.rundir import RunLock, archive, check_mlflow_ref, check_writable, is_run
+    from rayfl.errors import UserError
     from rayfl.resources import check_local
 
     if cfg.engine.executor == "ray" and not ray.is_initialized():
         check_local(cfg.engine)  # a private Ray: what this machine cannot place, refused first
     run_dir = Path(run_dir)
-    check_writable(run_dir)
-    with RunLock(run_dir):
-        if resume:  # every resume (CLI, Python API, a suite's runs) reads an untrusted folder
-            check_run_dir(run_dir)
-        checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
-        if resume:
-            checkpoint.verify(cfg)
-        return _simulate_locked(
-            cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks
-        )
+    created = not os.path.lexists(run_dir)
+    try:
+        if not resume and existing != "replace" and is_run(run_dir):
+            if existing != "archive":
+                raise UserError(
+                    f"--out {run_dir}: holds a run already; choose another --out, continue it "
+                    "with --resume, or pass --force to move it aside first"
+                )
+            archive(run_dir)
+        check_writable(run_dir)
+        with RunLock(run_dir):
+            checkpoint = Checkpoint(run_dir, cfg.engine.checkpoint_every, resume=resume, cfg=cfg)
+            if resume:  # every resume (CLI, Python API, a suite's runs) goes through the gate
+                check_mlflow_ref(run_dir, cfg)
+                checkpoint.verify(cfg)
+            return _simulate_locked(
+                cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks
+            )
+    except UserError:
+        if created:  # a refused run leaves nothing behind
+            with suppress(OSError):
+                run_dir.rmdir()
+        raise
 
 
 def _simulate_locked(

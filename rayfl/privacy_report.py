@@ -18,7 +18,6 @@ from typing import Any
 
 from rayfl.engine.rundir import read_summary
 from rayfl.errors import UserError
-from rayfl.safefile import real_dir
 
 ACC = "personal/acc"
 EPS = "privacy/epsilon"
@@ -168,11 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(args: argparse.Namespace) -> int:
     # a trial folder that is a symlink is refused, not followed (docs/security.md); stray
     # files beside the trials are skipped
-    folders = [
-        real_dir(d, inside=args.trials)
-        for d in sorted(args.trials.iterdir())
-        if d.is_symlink() or d.is_dir()
-    ]
+    from rayfl import gate
+
+    with gate.Folder(args.trials) as top:
+        folders = [top.path / n for n in top.names() if top.kind(n) in ("dir", "link")]
+        for d in folders:
+            top.sub(d.name).close()  # a link is refused here, not followed
     trials = [r for d in folders if (r := read_run(d)) is not None]
     refs: dict[str, dict[str, Any]] = {}
     for item in args.ref:

@@ -11,10 +11,10 @@ artifact store. What is on it depends on the folder:
 - a sweep (`results.parquet` + `sweep.yaml`): the trials table, the best trial, the metric
   against each swept parameter.
 
-The folder is untrusted input (docs/security.md): its files are read through
-:mod:`rayfl.safefile` (no symlink followed, sizes and JSON depth bounded), a suite's run
-directories must lie inside the suite folder, a malformed file stops the report with one line,
-and the page is written by an atomic rename (a link planted at `report.html` is replaced).
+Every file is read through :mod:`rayfl.gate` (authenticated, or with ``--untrusted`` only
+bounded); the page draws at most ``MAX_DRAWN`` metrics and architectures and lists at most
+``MAX_ROWS`` rows per table, saying what it left out; every string is escaped and every link is
+a relative path inside the folder.
 """
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ from __future__ import annotations
 import base64
 import html
 import math
-import os
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rayfl import gate
 from rayfl.errors import UserError
-from rayfl.safefile import MIB, is_file, read_bytes, read_table, read_text, real_dir, write_atomic
+from rayfl.tables import read_table
+
+MAX_DRAWN = 24  # metrics (one panel each) and architectures (bars) drawn
+MAX_ROWS = 500  # rows of a table, and architectures listed
 
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2rem auto;
@@ -67,10 +71,18 @@ class Html(str):
     """A table cell that is already HTML (a link): `table` does not escape it."""
 
 
-def link(href: str, text: str, title: str = "") -> Html:
-    """An `<a>` cell; `href` and `text` are escaped."""
-    tip = f' title="{_esc(title)}"' if title else ""
-    return Html(f'<a href="{_esc(href)}"{tip}>{_esc(text)}</a>')
+def link(parts: Sequence[str], text: str) -> Html:
+    """An `<a>` cell to the relative path `parts` inside the folder: `./` first and every part
+    percent-quoted, so that no label (`javascript:...`) becomes a scheme."""
+    href = "./" + "/".join(urllib.parse.quote(str(p), safe="") for p in parts)
+    return Html(f'<a href="{_esc(href)}">{_esc(text)}</a>')
+
+
+def capped(items: Sequence[Any], limit: int, what: str) -> tuple[list[Any], str]:
+    """The first `limit` items, and a note saying how many were left out ('' if none)."""
+    left = len(items) - limit
+    note = f'<p class="note">{left} more {_esc(what)} not shown</p>' if left > 0 else ""
+    return list(items[:limit]), note
 
 
 def _cell(value: Any) -> str:
@@ -83,18 +95,22 @@ def _cell(value: Any) -> str:
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], classes: Sequence[str] = ()) -> str:
     """An HTML table; numbers right-aligned, `Html` cells as they are, `classes[i]` on row i."""
+    header, note = capped(header, MAX_ROWS, "columns")
+    rows, more = capped(rows, MAX_ROWS, "rows")
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
+        row = row[: len(header)]
         cls = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
         cells = "".join(_cell(c) for c in row)
         body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return table + note + more
 
 
 def image(path: Path, alt: str) -> str:
     """A PNG file inlined as a base64 data URI."""
-    data = base64.b64encode(read_bytes(path, 64 * MIB)).decode()
+    data = base64.b64encode(gate.read(path, 64 * gate.MIB)).decode()
     return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
 
 
@@ -102,7 +118,8 @@ def figure(draw: Callable[[Path], Any], alt: str) -> str:
     """Render a plot function into a temporary PNG and inline it."""
     with tempfile.TemporaryDirectory(prefix="rayfl-report-") as tmp:
         path = Path(tmp) / "figure.png"
-        draw(path)
+        with gate.untrusted(False):  # a private temporary folder of this process
+            draw(path)
         return image(path, alt)
 
 
@@ -120,18 +137,29 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
 
 def _history(path: Path) -> list[dict[str, Any]]:
-    """A run's metrics.parquet: rows of numbers (or nulls), else one line."""
-    rows = read_table(path)
-    for row in rows:
-        for key, value in row.items():
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-            ):
-                raise UserError(
-                    f"{path}: column {key!r} holds {type(value).__name__} values, not numbers; "
-                    "it was not written by rayfl (or was changed since): restore or remove it"
-                )
-    return rows
+    """A run's metrics.parquet: rows of numbers ({} cells dropped where they are not)."""
+    return [
+        {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        for row in read_table(path)
+    ]
+
+
+def _drawn_curves(history: list[dict[str, Any]]) -> tuple[Callable[[Path], Any], str]:
+    """Draw at most MAX_DRAWN of the learning curves' metrics, and say what was left out."""
+    from rayfl.tracking.plots import default_keys, plot_learning_curves
+
+    keys, note = capped(list(default_keys(history)), MAX_DRAWN, "metrics")
+    return lambda p: plot_learning_curves(history, p, keys=keys), note
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; a link or special file there is refused."""
+    with gate.Folder(path.parent) as folder:
+        kind = folder.kind(path.name)
+    if kind not in (None, "file"):
+        what = "symbolic link" if kind == "link" else kind
+        raise gate.refuse(path, f"is a {what}, not a regular file")
+    return kind == "file"
 
 
 # --------------------------------------------------------------------------- a run
@@ -217,10 +245,9 @@ def _arch_bars(
 
 
 def run_report(run_dir: Path) -> str:
-    from rayfl.engine.rundir import check_run_dir, read_summary
-    from rayfl.tracking.plots import plot_cost_curves, plot_learning_curves
+    from rayfl.engine.rundir import read_summary
+    from rayfl.tracking.plots import plot_cost_curves
 
-    check_run_dir(run_dir)
     summary = read_summary(run_dir)
     final = summary.get("final", {})
     cfg = summary.get("config", {})
@@ -239,17 +266,17 @@ def run_report(run_dir: Path) -> str:
     rows, classes = _final_rows(final, targets)
     sections = [("Final metrics", table(["metric", "value"], rows, classes))]
     if history:
-        sections.append(
-            (
-                "Learning curves",
-                figure(lambda p: plot_learning_curves(history, p), "learning curves"),
-            )
-        )
+        draw, note = _drawn_curves(history)
+        sections.append(("Learning curves", figure(draw, "learning curves") + note))
     arch = {
         k.split("arch=", 1)[1]: v
         for k, v in final.items()
         if k.startswith("personal/acc/arch=") and v is not None
     }
+    arch_note = ""
+    if len(arch) > MAX_DRAWN:
+        shown, arch_note = capped(sorted(arch), MAX_DRAWN, "architectures")
+        arch = {a: arch[a] for a in shown}
     if arch:
         groups = {algo: arch}
         local = {
@@ -264,7 +291,9 @@ def run_report(run_dir: Path) -> str:
         sections.append(
             (
                 "Personalized accuracy per architecture",
-                table(header, body) + figure(partial(_arch_bars, groups), "per architecture"),
+                table(header, body)
+                + figure(partial(_arch_bars, groups), "per architecture")
+                + arch_note,
             )
         )
     domain = {
@@ -289,12 +318,12 @@ def run_report(run_dir: Path) -> str:
                 figure(lambda p: plot_cost_curves({algo: [history]}, p), "accuracy vs cost"),
             )
         )
-    if is_file(run_dir / "label_distribution.png"):
+    if _is_file(run_dir / "label_distribution.png"):
         sections.append(
             ("Label distribution", image(run_dir / "label_distribution.png", "label distribution"))
         )
-    if is_file(run_dir / "config.yaml"):
-        sections.append(("Config", f"<pre>{_esc(read_text(run_dir / 'config.yaml'))}</pre>"))
+    if _is_file(run_dir / "config.yaml"):
+        sections.append(("Config", f"<pre>{_esc(gate.read_text(run_dir / 'config.yaml'))}</pre>"))
     return page(f"Run {summary.get('name', run_dir.name)}", subtitle, sections)
 
 
@@ -306,35 +335,32 @@ def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 # --------------------------------------------------------------------------- a suite
 
 
-def _run_path(out_dir: Path, row: Mapping[str, Any]) -> Path:
-    """A suite run's directory: where the suite lays it out under `out_dir` (the folder may have
-    moved since, e.g. copied home from a cluster), else the path the row recorded."""
-    inside = out_dir / (row["setting"] or ".") / str(row["label"]) / f"seed{row['seed']}"
-    if os.path.lexists(inside):  # a suite folder is untrusted: a real folder inside it
-        return real_dir(inside, inside=out_dir)
-    return _inside(out_dir, row["run_dir"])
+def _run_path(out_dir: Path, row: Mapping[str, Any]) -> list[str]:
+    """A suite run's directory as parts relative to the suite folder, where the suite lays it
+    out: `[setting/]label/seedN`."""
+    return [
+        *([str(row["setting"])] if row["setting"] else []),
+        str(row["label"]),
+        f"seed{row['seed']}",
+    ]
 
 
-def run_links(run_dir: Path, page_dir: Path, mlflow_id: str, text: str = "") -> tuple[Any, Any]:
-    """Cells linking a run: its directory (its own report.html when it has one), relative to the
-    page so that the folder can move; and its MLflow run, a link when the store is a server,
-    else the run id (`mlflow ui --backend-store-uri URI` opens a local store)."""
-    import os
-
-    from rayfl.engine.rundir import read_mlflow_run
-
-    target = run_dir / "report.html" if (run_dir / "report.html").is_file() else run_dir
-    rel = os.path.relpath(target.resolve(), page_dir.resolve()) if run_dir.exists() else ""
-    dir_cell: Any = link(rel, text or run_dir.name, str(run_dir)) if rel else str(run_dir)
-    ref = read_mlflow_run(run_dir) if run_dir.exists() else None
-    run_id = mlflow_id or (ref or {}).get("run_id", "")
-    uri = (ref or {}).get("tracking_uri", "")
-    if run_id and uri.startswith(("http://", "https://")):
-        return dir_cell, link(f"{uri.rstrip('/')}/#/runs/{run_id}", run_id[:8], run_id)
-    return dir_cell, Html(f'<span title="{_esc(uri)}">{_esc(run_id)}</span>') if run_id else "-"
+def run_links(
+    folder: Path, parts: Sequence[str], mlflow_id: str, text: str = ""
+) -> tuple[Any, Any]:
+    """Cells for a run inside `folder` at the relative `parts`: a link to its report.html (or
+    its directory), and its MLflow run id as text (open it with `mlflow ui`). A run directory
+    that is not a real folder inside `folder` (a link) gets no link."""
+    try:
+        with gate.Folder(folder).sub("/".join(parts)) as run:
+            page = run.kind("report.html") == "file"
+    except (FileNotFoundError, UserError):
+        return text or parts[-1], _esc(mlflow_id) or "-"
+    target = [*parts, "report.html"] if page else list(parts)
+    return link(target, text or parts[-1]), Html(_esc(mlflow_id)) if mlflow_id else "-"
 
 
-def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
+def suite_report(out_dir: Path) -> str:
     from rayfl.compare import (
         ARCH_PREFIX,
         DOMAIN_PREFIX,
@@ -348,9 +374,8 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
     )
     from rayfl.tracking.plots import plot_compare, plot_cost_curves
 
-    page_dir = page_dir or out_dir
     runs = _read_parquet(out_dir / "runs.parquet")
-    finished = is_file(out_dir / "results.parquet")
+    finished = _is_file(out_dir / "results.parquet")
     # a suite still running or interrupted has no results yet: aggregate the runs done so far
     results = _read_parquet(out_dir / "results.parquet") if finished else aggregate(runs)
     sections: list[tuple[str, str]] = []
@@ -363,8 +388,8 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
             if not header:
                 continue
             groups, errors = {}, {}
+            archs, drawn_note = capped(header[1:], MAX_DRAWN, what.split()[0] + "s")
             for r in rows:
-                archs = header[1:]
                 groups[r["label"]] = {
                     a: v for a in archs if (v := r.get(mean_col(prefix + a))) is not None
                 }
@@ -377,13 +402,15 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
                     f"Personalized accuracy per {what}{suffix}",
                     table(header, body)
                     + figure(draw, f"per {what}")
+                    + drawn_note
                     + '<p class="note">bars: mean over seeds; whiskers: std over seeds</p>',
                 )
             )
         histories: dict[str, list[Any]] = {}
         for run in runs:
             if run["setting"] == setting and run["status"] == "FINISHED":
-                history = _history(_run_path(out_dir, run) / "metrics.parquet")
+                with gate.Folder(out_dir).sub("/".join(_run_path(out_dir, run))) as d:
+                    history = _history(d.path / "metrics.parquet")
                 if history:
                     histories.setdefault(run["label"], []).append(history)
         if histories:
@@ -411,18 +438,13 @@ def suite_report(out_dir: Path, page_dir: Path | None = None) -> str:
         shown = f"{r['setting'] + '/' if r['setting'] else ''}{r['label']}/seed{r['seed']}"
         status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
         cells = [r["label"], r["seed"], status, r.get(PERSONAL), r["rounds"]]
-        try:
-            path = _run_path(out_dir, r)
-        except UserError:  # not (or no longer) a real folder inside the suite: no links
-            cells += [shown, r.get("mlflow_run_id") or ""]
-        else:
-            cells += run_links(path, page_dir, r.get("mlflow_run_id") or "", shown)
+        cells += run_links(out_dir, _run_path(out_dir, r), str(r.get("mlflow_run_id") or ""), shown)
         run_rows.append([r["setting"], *cells] if settings else cells)
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))
     table_txt = out_dir / "table.txt"
-    if finished and is_file(table_txt):
-        first = (read_text(table_txt).splitlines() or [""])[0]
+    if finished and _is_file(table_txt):
+        first = (gate.read_text(table_txt).splitlines() or [""])[0]
     else:
         first = (
             f"not finished (interrupted or still running): {len(runs)} runs done so far; rerun "
@@ -443,17 +465,13 @@ def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
-    import yaml
-
+def sweep_report(out_dir: Path) -> str:
+    from rayfl.config import parse_yaml
     from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
     from rayfl.tune.sweep import TEST_METRIC, is_validation_metric
 
-    page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
-    raw = yaml.safe_load(read_text(out_dir / "sweep.yaml")) or {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{out_dir / 'sweep.yaml'}: not a mapping; restore the sweep folder")
+    raw = parse_yaml(gate.read_text(out_dir / "sweep.yaml"), out_dir / "sweep.yaml")
     sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
     space_spec = raw.get("space") or sweep.get("space") or {}
     space = list(space_spec.keys())
@@ -470,7 +488,6 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
     header = ["trial", *params, *names, "rounds", "status", "run", "MLflow run"]
     body = []
     for r in rows:
-        run_dir = out_dir / "trials" / str(r.get("trial", ""))
         body.append(
             [
                 r.get("trial", ""),
@@ -478,7 +495,7 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
                 *(r.get(m) for m in shown),
                 r.get("rounds"),
                 r.get("status", "") + (f": {r['error']}" if r.get("error") else ""),
-                *run_links(run_dir, page_dir, ""),
+                *run_links(out_dir, ["trials", str(r.get("trial", ""))], ""),
             ]
         )
     classes = ["failed" if r.get("status") == "error" else "" for r in rows]
@@ -489,20 +506,22 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
         best_rows = [[p, _short(best.get(p))] for p in params]
         best_rows += [[n, best.get(m)] for n, m in zip(names, shown)]
         where = "validation data" if is_validation_metric(metric) else "TEST data"
-        text = (
-            f"<p>trial {_esc(best.get('trial', ''))} ({mode} {_esc(metric)}, chosen on {where})</p>"
-        )
+        text = f"<p>trial {_esc(best.get('trial', ''))} ({_esc(mode)} {_esc(metric)}, chosen on {where})</p>"
         text += table(["parameter", "value"], best_rows)
-        if is_file(out_dir / "best_config.yaml"):
+        if _is_file(out_dir / "best_config.yaml"):
             text += (
                 "<details><summary>its full config (best_config.yaml: rayfl run "
                 "best_config.yaml repeats it)</summary>"
-                f"<pre>{_esc(read_text(out_dir / 'best_config.yaml'))}</pre></details>"
+                f"<pre>{_esc(gate.read_text(out_dir / 'best_config.yaml'))}</pre></details>"
             )
         sections.append(("Best trial", text))
     curves: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        history = _history(out_dir / "trials" / str(r.get("trial", "")) / "metrics.parquet")
+    for r in rows[:MAX_DRAWN]:
+        try:
+            with gate.Folder(out_dir).sub(f"trials/{r.get('trial', '')}") as trial:
+                history = _history(trial.path / "metrics.parquet")
+        except (FileNotFoundError, UserError):  # not a real folder inside the sweep's
+            history = []
         points = [
             (int(h["round"]), float(h[metric]))
             for h in history
@@ -540,22 +559,15 @@ def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
-def _inside(folder: Path, name: Any) -> Path:
-    """The run directory ``name`` (from a suite's runs.parquet) if it is a real directory
-    inside ``folder``; else one line."""
-    path = Path(str(name))  # as compare wrote it: relative to where it ran, or absolute
-    if not os.path.lexists(path):
-        path = folder / path.name  # the suite folder was moved
-    return real_dir(path, inside=folder)
-
-
 def kind_of(path: Path) -> str:
     """`run`, `suite` or `sweep`, from the files the folder holds."""
-    if is_file(path / "summary.json"):
+    names = ("summary.json", "runs.parquet", "suite.yaml", "results.parquet", "sweep.yaml")
+    has = {n for n in names if _is_file(path / n)}
+    if "summary.json" in has:
         return "run"
-    if is_file(path / "runs.parquet") or is_file(path / "suite.yaml"):
+    if has & {"runs.parquet", "suite.yaml"}:
         return "suite"  # finished, or partly: runs.parquet grows as runs finish
-    if is_file(path / "results.parquet") and is_file(path / "sweep.yaml"):
+    if {"results.parquet", "sweep.yaml"} <= has:
         return "sweep"
     raise UserError(
         f"rayfl report {path}: not a run directory (summary.json), a suite folder "
@@ -564,24 +576,26 @@ def kind_of(path: Path) -> str:
     )
 
 
-def write_report(path: str | Path, out: str | Path | None = None) -> Path:
-    """Write the HTML page for folder `path` (default `<path>/report.html`); returns its path."""
+def write_report(path: str | Path, out: str | Path | None = None, untrusted: bool = False) -> Path:
+    """Write the HTML page for folder `path` (default `<path>/report.html`); returns its path.
+    With `untrusted`, a folder this user's rayfl did not write is read too (bounded, escaped)."""
+    import contextlib
+
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"rayfl report {folder}: no such folder")
-    kind = kind_of(folder)
     target = Path(out) if out else folder / "report.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if kind == "run":
-            text = run_report(folder)
-        else:  # links to run directories are relative to the page
-            text = (suite_report if kind == "suite" else sweep_report)(folder, target.parent)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        # a field of the right type but an unexpected shape (rayfl did not write it)
-        raise UserError(
-            f"rayfl report {folder}: a file there is malformed ({type(exc).__name__}: "
-            f"{str(exc)[:80]}); restore it from the run, or rerun"
-        ) from None
-    write_atomic(target, text.encode("utf-8"))
+    with gate.untrusted() if untrusted else contextlib.nullcontext():
+        kind = kind_of(folder)
+        try:
+            maker = {"run": run_report, "suite": suite_report, "sweep": sweep_report}[kind]
+            text = maker(folder)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # a field of an unexpected shape (only from a folder read with --untrusted)
+            raise UserError(
+                f"rayfl report {folder}: a file there is malformed ({type(exc).__name__}: "
+                f"{str(exc)[:80]}); restore it from the run, or rerun"
+            ) from None
+    with gate.Folder(target.parent, create=True) as where:  # never read back: not recorded
+        where.write(target.name, text.encode("utf-8"), record=False)
     return target

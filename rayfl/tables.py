@@ -14,7 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.safefile import write_with
+from rayfl import gate
+from rayfl.gate import write_with
+
+MAX_ROWS, MAX_COLUMNS = 2_000_000, 20_000  # a table read back, checked from its footer
 
 
 def columns(rows: Sequence[Mapping[str, Any]], key: Callable[[str], Any] | None = None) -> Any:
@@ -81,3 +84,28 @@ def finite_or_none(obj: Any) -> Any:
 def strict_json(obj: Any, **kwargs: Any) -> str:
     """JSON that every parser accepts: NaN and inf become null (`allow_nan=False` holds)."""
     return json.dumps(finite_or_none(obj), allow_nan=False, default=str, **kwargs)
+
+
+def read_table(path: str | Path, limit: int = gate.TABLE_LIMIT) -> list[dict[str, Any]]:
+    """The rows of a Parquet table ([] when missing); its rows, columns and decoded size are
+    checked from its footer before a column is decoded."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        data = gate.read(path, limit)
+    except FileNotFoundError:
+        return []
+    try:
+        meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if meta.num_rows > MAX_ROWS or meta.num_columns > MAX_COLUMNS or size > limit:
+            raise gate.refuse(
+                path,
+                f"holds {meta.num_rows} rows x {meta.num_columns} columns ({size} bytes), over "
+                f"the limits ({MAX_ROWS} rows, {MAX_COLUMNS} columns, {limit} bytes)",
+            )
+        rows: list[dict[str, Any]] = pq.read_table(pa.BufferReader(data)).to_pylist()
+    except (pa.ArrowException, OSError, ValueError):
+        raise gate.refuse(path, "is not a readable Parquet table") from None
+    return rows

@@ -14,11 +14,14 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+import tempfile
 
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests pass their own URIs
+# a key of the session's own (rayfl.gate): children and Ray workers inherit it
+os.environ.setdefault("RAYFL_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="rayfl-key-"), "key"))
 
 
 @pytest.fixture(scope="session")

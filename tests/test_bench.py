@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfl import gate
 from rayfl.config import build_config
 from rayfl.errors import ConfigError, UserError
-from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
+from rayfl.gate import JSON_LIMIT
 from rayfl.sampling import sample_clients
 from tests.conftest import SYNTHETIC
 
@@ -327,13 +328,14 @@ PLANTS = {
     "symlink": lambda path, victim: path.symlink_to(victim),
     "fifo": lambda path, victim: os.mkfifo(path),
     "oversized": _oversized,
-    "deep": lambda path, victim: path.write_text("[" * (JSON_DEPTH + 10) + "]" * (JSON_DEPTH + 10)),
+    # nested deep, and not written by rayfl
+    "planted": lambda path, victim: path.write_text("[" * 100_000 + "]" * 100_000),
 }
 PROBLEM = {
     "symlink": "symbolic link",
     "fifo": "FIFO",
     "oversized": "over the limit",
-    "deep": "nests deeper",
+    "planted": "not written by your rayfl",
 }
 
 
@@ -421,9 +423,8 @@ def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
     out = tmp_path / "variant"
     (out / "run").mkdir(parents=True)
     (out / "bench_config.yaml").symlink_to(victim)
-    (out / "run" / "bench.json").write_text(
-        json.dumps({"rounds": [], "store_peak_mb": 0.0, "spilled_mb": 0.0, "status": "FINISHED"})
-    )
+    report = {"rounds": [], "store_peak_mb": 0.0, "spilled_mb": 0.0, "status": "FINISHED"}
+    gate.write(out / "run" / "bench.json", json.dumps(report).encode())  # as its child writes it
     report = bench.run_variant(synthetic_raw, [], out)
     assert report["clients"] == synthetic_raw["data"]["num_clients"]
     assert victim.read_bytes() == VICTIM

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfl import cli
+from rayfl import cli, gate
 from rayfl.config import build_config, load_config
 from rayfl.engine.checkpoint import verify
 from rayfl.engine.loop import RunResult
@@ -108,9 +108,9 @@ def test_the_final_table_counts_rejected_replies_and_warns_above_half(
 def test_ls_runs_lists_run_directories(tmp_path, capsys):
     run = tmp_path / "runs" / "one"
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text("{}")
+    gate.write(run / "config.yaml", b"{}")  # as rayfl writes them
     summary = {"status": "FINISHED", "rounds": 3, "final": {"personal/acc": 0.75}}
-    (run / "summary.json").write_text(json.dumps(summary))
+    gate.write(run / "summary.json", json.dumps(summary).encode())
     assert cli.main(["ls-runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "one" in out and "FINISHED" in out and "0.7500" in out

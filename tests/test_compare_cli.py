@@ -70,7 +70,7 @@ def test_report_renders_a_partly_finished_suite(partial_suite, capsys):
     page = (partial_suite / "report.html").read_text()
     assert "not finished" in page and "2 runs done so far" in page
     assert ">local<" in page and "a05" in page
-    assert 'href="a05/local/seed0"' in page and 'href="a05/local/seed1"' in page
+    assert 'href="./a05/local/seed0"' in page and 'href="./a05/local/seed1"' in page
     assert "mean ± std over seeds (band)" in page  # two seeds of local finished
 
 

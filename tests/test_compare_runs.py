@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import rayfl.launch
+from rayfl import gate
 from rayfl.compare import run_suite
 from tests.test_compare import write_suite
 
@@ -59,7 +60,7 @@ def test_unfinished_run_resumes_from_its_checkpoint(tmp_path):
     summary = out / "fedproto" / "seed0" / "summary.json"
     data = json.loads(summary.read_text())
     data["status"] = "KILLED"  # as if interrupted after round 1
-    summary.write_text(json.dumps(data))
+    gate.write(summary, json.dumps(data).encode())  # as rayfl writes it
     run_suite(path, ["engine.rounds=2"], out=out, progress=False)
     a, b = rows_of(straight)["fedproto"], rows_of(out)["fedproto"]
     assert b["rounds"] == 2 and b["personal/acc"] == a["personal/acc"]

@@ -7,6 +7,7 @@ import copy
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
@@ -99,11 +100,10 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
 
 
 def test_sweep_report_lists_trials(tmp_path):
-    import shutil as sh
-
+    from rayfl import gate
     from rayfl.tune import write_results
 
-    sh.copy("experiments/sweeps/pfedes_T_alpha.yaml", tmp_path / "sweep.yaml")
+    gate.write(tmp_path / "sweep.yaml", Path("experiments/sweeps/pfedes_T_alpha.yaml").read_bytes())
     rows = [
         {"trial": f"t{i}", "algorithm.T": t, "algorithm.alpha": a, "algorithm.embed_dim": 64}
         | {"personal/val_acc": val, "personal/acc": acc, "rounds": 3, "status": "done", "error": ""}

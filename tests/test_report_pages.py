@@ -9,33 +9,28 @@ from pathlib import Path
 
 import yaml
 
-from rayfl.engine.rundir import write_mlflow_run
+from rayfl import gate
 from rayfl.report import run_links, write_report
 from rayfl.tables import write_table
 
 
-def test_run_links_are_relative_and_point_at_a_tracking_server(tmp_path):
-    run = tmp_path / "suite" / "local" / "seed0"
-    run.mkdir(parents=True)
-    write_mlflow_run(run, "abcdef0123456789", "http://mlflow.internal:5000/")
-    page_dir = tmp_path / "pages"
-    page_dir.mkdir()
-    folder, mlflow = run_links(run, page_dir, "", "local/seed0")
-    assert folder == '<a href="../suite/local/seed0" title="' + str(run) + '">local/seed0</a>'
-    assert 'href="http://mlflow.internal:5000/#/runs/abcdef0123456789"' in mlflow
-    write_mlflow_run(run, "abcdef0123456789", "sqlite:///x/mlflow.db")  # no web page to link
-    _, local = run_links(run, page_dir, "")
-    assert "<a" not in local and "abcdef0123456789" in local and "sqlite:///x/mlflow.db" in local
-    (run / "report.html").write_text("<html></html>")  # the run's own page when it has one
-    assert 'href="../suite/local/seed0/report.html"' in run_links(run, page_dir, "")[0]
+def test_run_links_are_relative_paths_inside_the_folder(tmp_path):
+    suite = tmp_path / "suite"
+    (suite / "local" / "seed0").mkdir(parents=True)
+    folder, mlflow = run_links(suite, ["local", "seed0"], "abcdef0123456789", "local/seed0")
+    assert folder == '<a href="./local/seed0">local/seed0</a>'
+    assert "<a" not in mlflow and "abcdef0123456789" in mlflow  # an id, never a link
+    (suite / "local" / "seed0" / "report.html").write_text("<html></html>")  # its own page
+    assert 'href="./local/seed0/report.html"' in run_links(suite, ["local", "seed0"], "")[0]
+    (suite / "other").symlink_to(suite / "local")  # not a real folder inside: no link
+    assert "<a" not in run_links(suite, ["other", "seed0"], "")[0]
 
 
 def fake_sweep(folder: Path) -> None:
     space = {"train.lr": {"loguniform": [0.001, 0.3]}, "algorithm.lam": {"grid": [0.1, 1.0]}}
-    (folder / "sweep.yaml").write_text(
-        yaml.safe_dump({"name": "s", "space": space, "tune": {"metric": "personal/acc"}})
-    )
-    (folder / "best_config.yaml").write_text("name: s\ntrain: {lr: 0.05}\n")
+    sweep = {"name": "s", "space": space, "tune": {"metric": "personal/acc"}}
+    gate.write(folder / "sweep.yaml", yaml.safe_dump(sweep).encode())  # as rayfl writes them
+    gate.write(folder / "best_config.yaml", b"name: s\ntrain: {lr: 0.05}\n")
     rows = []
     for i, (lr, lam) in enumerate([(0.002, 0.1), (0.05, 1.0), (0.2, 0.1)]):
         trial = f"trial_{i}"
@@ -58,4 +53,4 @@ def test_sweep_page_has_per_trial_curves_log_axes_and_little_yaml(tmp_path):
     # the best trial as a table; its YAML folded into <details>, the only <pre> on the page
     assert "<h2>Best trial</h2><p>trial trial_2" in page
     assert page.count("<pre>") == 1 and re.search(r"<details><summary>[^<]*</summary><pre>", page)
-    assert 'href="trials/trial_0"' in page  # each trial's run directory
+    assert 'href="./trials/trial_0"' in page  # each trial's run directory

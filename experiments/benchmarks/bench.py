@@ -60,8 +60,8 @@ from rayfl.config import build_config, load_config, read_yaml
 from rayfl.engine.hooks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
+from rayfl.gate import write as write_atomic
 from rayfl.resources import local_cpus, worker_capacity
-from rayfl.safefile import write_atomic
 from rayfl.schema import RunConfig, clients_per_round
 
 
@@ -187,7 +187,7 @@ def _variant_main(config_path: str, run_dir: str) -> None:
     # as `rayfl run CONFIG --out run_dir` does: a private Ray spills under run_dir
     cfg = load_config(config_path)
     probe = StoreProbe(cfg.engine.spill_dir or spill_dir(run_dir))
-    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe])
+    result = simulate(cfg, run_dir, progress=False, extra_callbacks=[probe], existing="replace")
     history = result.history
     report = {
         "rounds": [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in history],

@@ -39,7 +39,8 @@ import yaml
 from rayfl.config import build_config
 from rayfl.engine.startup import init_ray_for_run, spill_dir
 from rayfl.errors import UserError
-from rayfl.safefile import read_json, write_atomic
+from rayfl.gate import read_json
+from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, clients_per_round, to_dict
 
 BENCH = Path(__file__).resolve().with_name("bench.py")  # the children run this script
@@ -122,7 +123,7 @@ def write_config(cfg: RunConfig, out: Path) -> Path:
 
 def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """A child's report (`share<k>.json`, `bench.json`) read back from the benchmark folder
-    through rayfl.safefile: a symlink, FIFO, oversized or deeply nested file, or one without
+    through rayfl.gate: a symlink, FIFO, oversized or deeply nested file, or one without
     `keys`, is refused in one line (the folder may be shared, docs/security.md).
 
     Raises:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rayfl import gate
 from rayfl.compare.results import (
     ARCH_PREFIX,
     DOMAIN_PREFIX,
@@ -27,10 +27,8 @@ from rayfl.compare.results import (
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
 from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
 from rayfl.errors import ConfigError, UserError
-from rayfl.locking import FileLock
-from rayfl.safefile import read_table, write_atomic
 from rayfl.schema import RunConfig
-from rayfl.tables import write_table
+from rayfl.tables import read_table, write_table
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +81,18 @@ def _shared_ray(suite: Suite) -> Any:
     return init_ray(address, num_cpus)
 
 
-def run_dir_of(out_dir: Path, run: SuiteRun) -> Path:
-    return out_dir / (run.setting or ".") / run.label / f"seed{run.seed}"
+def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
+    """Where a suite run lives, `[setting/]label/seedN` under `out_dir`; with `create`, made
+    through the gate (a link on the way is refused, never followed)."""
+    rel = Path(run.setting or ".") / run.label / f"seed{run.seed}"
+    if create:
+        with gate.Folder(out_dir).sub(str(rel), create=True) as folder:
+            return folder.path
+    return out_dir / rel
 
 
 def _read_history(run_dir: Path) -> list[dict[str, float]]:
-    return read_table(run_dir / "metrics.parquet")  # a suite folder is untrusted (security.md)
+    return read_table(run_dir / "metrics.parquet")
 
 
 def finished_row(
@@ -117,23 +121,28 @@ def finished_row(
 
 def remove_checkpoints(run_dir: Path) -> None:
     """Delete a finished run's checkpoint: the `checkpoint` link and the folders it points into."""
-    link = run_dir / "checkpoint"
-    if link.is_symlink() or link.is_file():
-        link.unlink()
-    for folder in run_dir.glob("checkpoint*"):
-        shutil.rmtree(folder, ignore_errors=True)
+    with gate.Folder(run_dir) as folder:
+        for name in folder.names():
+            if name == "checkpoint" or name.startswith("checkpoint."):
+                folder.remove(name)
 
 
-def discard_partial_child(run_dir: Path) -> None:
+def discard_partial_child(run_dir: Path, cfg: RunConfig) -> None:
     """Before a run starts again from round 1 (its earlier attempt left no checkpoint): delete the
-    MLflow run that attempt opened, so that the suite's parent keeps one child per run."""
-    ref = read_mlflow_run(run_dir)
-    if ref is None:
-        return
-    from rayfl.tracking.mlflow import delete_run
+    MLflow run that attempt opened (only in the store the run's config names), so that the
+    suite's parent keeps one child per run."""
+    from rayfl.engine.rundir import check_mlflow_ref
 
-    delete_run(ref["run_id"], ref.get("tracking_uri") or None)
-    (run_dir / MLFLOW_RUN).unlink(missing_ok=True)
+    try:
+        ref = check_mlflow_ref(run_dir, cfg)
+    except UserError:  # recorded in another store: left alone
+        ref = None
+    if ref is not None:
+        from rayfl.tracking.mlflow import delete_run
+
+        delete_run(ref["run_id"], ref.get("tracking_uri") or None)
+    with gate.Folder(run_dir) as folder:
+        folder.remove(MLFLOW_RUN)
 
 
 def execute_run(
@@ -145,11 +154,16 @@ def execute_run(
 
     resume = (run_dir / "checkpoint").exists()
     if not resume:
-        discard_partial_child(run_dir)
+        discard_partial_child(run_dir, run.config)
     start = time.perf_counter()
     try:
         result = simulate(
-            run.config, run_dir, progress=False, resume=resume, parent_run_id=parent_id
+            run.config,
+            run_dir,
+            progress=False,
+            resume=resume,
+            parent_run_id=parent_id,
+            existing="replace",
         )
     except KeyboardInterrupt:
         raise
@@ -289,9 +303,8 @@ def run_suite(
     out_dir = (
         Path(out) if out else Path("runs") / f"suite-{suite.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(out_dir / ".lock")
-    if not lock.try_acquire():
+    lock = gate.Folder(out_dir, create=True)
+    if not lock.lock():
         raise UserError(
             f"suite folder {out_dir} is in use by another rayfl compare (pid {lock.owner()}); "
             "wait for it to finish or choose another --out"
@@ -301,7 +314,8 @@ def run_suite(
     except KeyboardInterrupt:
         raise SuiteInterrupted(out_dir) from None
     finally:
-        lock.release()
+        lock.unlock()
+        lock.close()
 
 
 def _parent_tracker(suite: Suite, path: Path, overrides: Sequence[str], out_dir: Path) -> Any:
@@ -313,6 +327,11 @@ def _parent_tracker(suite: Suite, path: Path, overrides: Sequence[str], out_dir:
     first = suite.runs[0].config.tracking
     mlflow = first.backend == "mlflow"
     previous = read_mlflow_run(out_dir) if mlflow else None
+    if previous is not None:  # reopened only in the store this suite's config names
+        from rayfl.tracking.base import default_tracking_uri
+
+        if previous.get("tracking_uri") != (first.uri or default_tracking_uri()):
+            previous = None
     parent = make_tracker(
         first.backend,
         experiment=first.experiment,
@@ -368,14 +387,14 @@ def _run_locked(
 
     from rayfl.tracking.plots import plot_compare
 
-    write_atomic(out_dir / "suite.yaml", path.read_bytes())
+    gate.write(out_dir / "suite.yaml", path.read_bytes())
     previous = {r["run_dir"]: r for r in read_table(out_dir / "runs.parquet")}
     parent = _parent_tracker(suite, path, overrides, out_dir)
     parent_id = getattr(parent, "run_id", None)
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
     todo: list[tuple[int, SuiteRun, Path]] = []
     for index, run in enumerate(suite.runs):
-        run_dir = run_dir_of(out_dir, run)
+        run_dir = run_dir_of(out_dir, run, create=True)
         slots[index] = finished_row(run, run_dir, previous)
         if slots[index] is None:
             todo.append((index, run, run_dir))
@@ -437,7 +456,7 @@ def _run_locked(
         artifacts.append(plot_compare(means, out_dir / name, ylabel=PERSONAL, spread=spread))
     failed = [r for r in rows if r["status"] != "FINISHED"]
     table = format_results(suite, results, time.perf_counter() - start, failed)
-    write_atomic(out_dir / "table.txt", (table + "\n").encode())
+    gate.write(out_dir / "table.txt", (table + "\n").encode())
     artifacts.append(out_dir / "table.txt")
     for agg in results:
         prefix = f"{agg['setting'] + '/' if agg['setting'] else ''}{agg['label']}/"

@@ -303,7 +303,7 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
     import pyarrow as pa  # lazy: only runs that save need it
     import pyarrow.parquet as pq
 
-    from rayfl.safefile import write_with
+    from rayfl.gate import write_with
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

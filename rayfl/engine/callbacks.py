@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rayfl.engine.hooks import Callback
-from rayfl.safefile import write_atomic
+from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, to_dict
 from rayfl.tables import strict_json, write_table
 from rayfl.tracking.plots import plot_run
@@ -204,7 +204,7 @@ class RunDirectory(Callback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
         if sim.start_round > 1 and (self.run_dir / CLIENTS_FILE).is_file():
-            from rayfl.safefile import read_table
+            from rayfl.tables import read_table
 
             self._clients_before = [
                 r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round

@@ -42,7 +42,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from rayfl.errors import UserError
-from rayfl.locking import locked
+from rayfl.gate import locked
 from rayfl.tracking.base import (
     TrackerBase,
     check_status,

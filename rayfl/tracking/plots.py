@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import AutoLocator, MaxNLocator
 
-from rayfl.safefile import write_with
+from rayfl.gate import write_with
 
 logger = logging.getLogger(__name__)
 

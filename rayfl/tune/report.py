@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from rayfl.safefile import write_atomic
+from rayfl.gate import write as write_atomic
 from rayfl.schema import to_dict
 from rayfl.tables import write_table
 from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from rayfl import gate
 from rayfl.errors import UserError
-from rayfl.safefile import is_file, read_json, write_atomic
 from rayfl.tune.report import (
     SweepResult,
     _best,
@@ -130,6 +130,7 @@ def sweep_and_report(
     sweep = load_sweep(path, overrides)
     out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
     state = read_state(out_dir)  # before Ray starts: a planted sweep.json costs no start-up
+    check_folder(sweep, out_dir)
     e = sweep.config.engine
     started = init_ray(e.address, e.ray_num_cpus)
     try:
@@ -146,24 +147,77 @@ def tune_storage(t: TuneSettings, out: Path) -> str:
     return t.storage or str(out / "tune")
 
 
+SEAL = "tune_state.json"  # the sha256 of every file Tune wrote under <out>/tune
+
+
 def read_state(out: Path) -> dict[str, Any]:
     """`out/sweep.json` (the fingerprint and MLflow parent run of an earlier start), {} when
-    there is none. Read through rayfl.safefile: the sweep folder is untrusted input
-    (docs/security.md).
-
-    Raises:
-        UserError: it is a symlink, FIFO, oversized, too deeply nested or not a JSON object.
-    """
-    path = out / "sweep.json"
-    if not is_file(path):
+    there is none; read through the gate (what this user's rayfl wrote)."""
+    try:
+        return dict(gate.read_json(out / "sweep.json"))
+    except FileNotFoundError:
         return {}
-    state = read_json(path)
-    if not isinstance(state, dict) or not isinstance(state.get("parent_run_id"), str | None):
+
+
+def tree_hashes(top: gate.Folder, limit: int = 100_000) -> dict[str, str]:
+    """``relative path -> sha256`` of every file below ``top`` (at most ``limit`` files); a
+    link, FIFO or device is refused."""
+    import hashlib
+
+    out: dict[str, str] = {}
+
+    def walk(folder: gate.Folder, prefix: str) -> None:
+        for name in folder.names():
+            kind = folder.kind(name)
+            if kind == "dir":
+                with folder.sub(name) as child:
+                    walk(child, f"{prefix}{name}/")
+            elif kind == "file" and len(out) < limit:
+                data = folder.read_raw(name, gate.TABLE_LIMIT)
+                out[prefix + name] = hashlib.sha256(data).hexdigest()
+            else:
+                raise gate.refuse(folder.path / name, f"is {kind or 'gone'}, not a plain file")
+
+    walk(top, "")
+    return out
+
+
+def seal_tune_state(out: Path) -> None:
+    """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
+    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
+        hashes = tree_hashes(tune_dir)
+        folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
+
+
+def check_folder(sweep: Sweep, out: Path) -> None:
+    """Before Ray starts: `<out>/tune` and `<out>/trials` are real folders made through the gate
+    (a planted link is refused), and Tune's state there, if any, is what this user's rayfl
+    sealed (`check_tune_state`). A `tune.storage` the user named is theirs to trust."""
+    if sweep.tune.storage:
+        return
+    with gate.Folder(out, create=True) as folder:
+        folder.sub("trials", create=True).close()
+        with folder.sub("tune", create=True) as tune_dir:
+            if sweep.tune.resume and tune_dir.kind(sweep.name) is not None:
+                check_tune_state(out)
+
+
+def check_tune_state(out: Path) -> None:
+    """Refuse to restore Tune's state under `<out>/tune` unless every file there is one this
+    user's rayfl sealed (`seal_tune_state`), unchanged, before Tune unpickles any of it."""
+    try:
+        sealed = gate.read_json(out / SEAL)
+    except FileNotFoundError:
         raise UserError(
-            f"{path}: not the state rayfl writes for a sweep; remove it (or the folder) "
-            "or choose another --out"
-        )
-    return state
+            f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed, or not "
+            "written by your rayfl), so it is not restored; start the sweep with another --out"
+        ) from None
+    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
+        if tree_hashes(tune_dir) != sealed:
+            raise UserError(
+                f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
+                "planted files), so it is not restored; start the sweep with another --out"
+            )
 
 
 def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> SweepResult:
@@ -172,6 +226,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
+    inside = not t.storage  # Tune's storage in the sweep folder: sealed by the gate at the end
     storage = tune_storage(t, out)
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
@@ -186,7 +241,6 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
             f"{out} holds sweep {sweep.name} with another space, base or settings; resume it unchanged or choose another --out"
         )
     _check_fits(sweep, strict=strict_fit)
-    out.mkdir(parents=True, exist_ok=True)
 
     parent: ParentRun | None = None
     uri: str | None = None
@@ -196,8 +250,8 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
         parent = ParentRun(sweep, uri, state.get("parent_run_id") if restoring else None)
     state = {"fingerprint": fingerprint, "parent_run_id": parent.run_id if parent else None}
-    write_atomic(state_path, json.dumps(state, indent=2).encode())
-    write_atomic(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
+    gate.write(state_path, json.dumps(state, indent=2).encode())
+    gate.write(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
 
     root = sweep.config.data.root
     job = TrialJob(
@@ -275,6 +329,13 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         status = "KILLED"
         raise
     finally:
+        if inside:
+            try:
+                seal_tune_state(out)
+            except (OSError, UserError) as exc:  # the sweep's own error, if any, goes on
+                log.warning(
+                    "Tune's state in %s was not sealed (%s): it cannot be resumed", out, exc
+                )
         if parent is not None:
             parent.close(status)
 

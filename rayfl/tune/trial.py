@@ -161,7 +161,10 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
 
     name = tune.get_context().get_trial_name()
     cfg = trial_config(job, config, name)
-    run_dir = job.out / "trials" / name
+    from rayfl import gate
+
+    with gate.Folder(job.out).sub(f"trials/{name}", create=True) as folder:  # no link on the way
+        run_dir = folder.path
     # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
     resume = has_checkpoint(run_dir)
     simulate(
@@ -171,6 +174,7 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
         resume=resume,
         parent_run_id=job.parent_run_id,
         extra_callbacks=[TuneReport(job.sweep.tune.metric)],
+        existing="replace",  # a restored sweep reruns a trial that left no checkpoint
     )
 
 

@@ -67,7 +67,8 @@ def test_an_old_pickle_checkpoint_is_refused_and_never_loaded(synthetic_raw, tmp
     assert not marker.exists()
 
 
-def test_a_pickled_array_inside_an_npz_is_refused(synthetic_raw, tmp_path):
+def test_a_pickled_array_with_a_manifest_to_match_is_refused_unread(synthetic_raw, tmp_path):
+    # anyone who can write the folder can rewrite manifest.json: the gate's key cannot
     run(synthetic_raw, tmp_path, 1)
     folder = tmp_path / os.readlink(tmp_path / "checkpoint")
     server = folder / "server.npz"
@@ -83,7 +84,7 @@ def test_a_pickled_array_inside_an_npz_is_refused(synthetic_raw, tmp_path):
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="holds Python objects"):
+    with pytest.raises(UserError, match="not written by your rayfl"):
         run(synthetic_raw, tmp_path, 2, resume=True)
 
 
@@ -156,11 +157,11 @@ def _folder(path):
             lambda f: (f / "server.npz").write_bytes((f / "server.npz").read_bytes()[:100]),
             "truncated",
         ),
-        (lambda f: (f / "clients" / "0.npz").unlink(), r"clients/0\.npz is missing"),
+        (lambda f: (f / "clients" / "0.npz").unlink(), r"clients/0\.npz: it is missing"),
         (lambda f: (f / "manifest.json").unlink(), "manifest.json is missing"),
         (
             lambda f: (f / "manifest.json").write_text('{"format": "rayfl-ch'),
-            "unreadable or truncated",
+            "not written by your rayfl",
         ),
         (lambda f: (f / "history.json").write_text("[]"), "truncated or changed"),
     ],
@@ -199,43 +200,3 @@ def test_resume_may_change_placement_but_not_the_numbers(synthetic_raw, tmp_path
     restored = Checkpoint(tmp_path, 1, resume=True).verify(cfg2)
     assert restored.round == 1 and [r["round"] for r in restored.history] == [1.0]
     assert restored.client_ids() == list(range(6))
-
-
-def _vouch(folder, name, data):
-    """Replace checkpoint file `name` and rewrite the manifest to match (a checksum is no
-    signature: whoever writes the directory can do this)."""
-    import hashlib
-
-    (folder / name).write_bytes(data)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-
-
-@pytest.mark.parametrize("who", ["server", "client"])
-@pytest.mark.parametrize("change", ["shape", "dtype", "keys"])
-def test_restored_states_must_match_the_model_built_from_the_config(
-    synthetic_raw, tmp_path, who, change
-):
-    run(synthetic_raw, tmp_path, 1)
-    folder = tmp_path / os.readlink(tmp_path / "checkpoint")
-    name = (
-        "server.npz"
-        if who == "server"
-        else sorted("clients/" + p.name for p in (folder / "clients").iterdir())[0]
-    )
-    state = load_state(folder / name)
-    flat = state
-    while isinstance(flat, dict) and not any(isinstance(v, np.ndarray) for v in flat.values()):
-        flat = next(v for v in flat.values() if isinstance(v, dict))
-    key = next(k for k, v in flat.items() if isinstance(v, np.ndarray) and v.ndim >= 1)
-    if change == "shape":
-        flat[key] = np.zeros((3, *flat[key].shape), flat[key].dtype)
-    elif change == "dtype":
-        flat[key] = flat[key].astype(np.float16)
-    else:
-        flat["planted"] = flat.pop(key)
-    _vouch(folder, name, state_bytes(state))
-    with pytest.raises(UserError, match="unlike the model this config builds") as info:
-        run(synthetic_raw, tmp_path, 2, resume=True)
-    assert "\n" not in str(info.value)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from rayfl import gate
 from rayfl.config import build_config
 from rayfl.engine.callbacks import RunDirectory
 from rayfl.engine.loop import RunResult
@@ -108,9 +109,9 @@ def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path, monkeypa
     killed, done = runs / "a", runs / "b"
     for path, status in ((killed, "RUNNING"), (done, "FINISHED")):
         path.mkdir(parents=True)
-        (path / "config.yaml").write_text("{}")
+        gate.write(path / "config.yaml", b"{}")  # as rayfl writes them (rayfl.gate)
         summary = {"status": status, "rounds": 2, "final": {"personal/acc": 0.5}}
-        (path / "summary.json").write_text(json.dumps(summary))
+        gate.write(path / "summary.json", json.dumps(summary).encode())
     write_mlflow_run(killed, tracker.run_id, uri)
     infos = {p.path.name: p for p in list_runs(runs)}
     assert infos["a"].status == "KILLED" and infos["b"].status == "FINISHED"
@@ -144,8 +145,8 @@ def test_ls_runs_never_contacts_a_tracking_uri_named_by_the_run_directory(tmp_pa
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mine.db")
     run = tmp_path / "runs" / "a"
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text("{}")
-    (run / "summary.json").write_text(json.dumps({"status": "RUNNING", "rounds": 1}))
+    gate.write(run / "config.yaml", b"{}")
+    gate.write(run / "summary.json", json.dumps({"status": "RUNNING", "rounds": 1}).encode())
     elsewhere = tmp_path / "elsewhere" / "planted.db"
     elsewhere.parent.mkdir()
     write_mlflow_run(run, "0123abcd", f"sqlite:///{elsewhere}")

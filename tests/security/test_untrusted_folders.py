@@ -1,8 +1,8 @@
-"""The other folders rayfl reads back are untrusted input too (docs/security.md): the privacy
+"""The other folders rayfl reads back go through the gate too (docs/security.md): the privacy
 report's trial run directories (`summary.json`) and a sweep's folder (`sweep.json`); the
-benchmark's folder: tests/test_bench.py. A symlink, a FIFO,
-an oversized or a deeply nested file there is refused in one line, never followed or waited on,
-and nothing outside the folder changes.
+benchmark's folder: tests/test_bench.py. A symlink, a FIFO, an oversized file or one rayfl did
+not write there is refused in one line, never followed or waited on, and nothing outside the
+folder changes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfl import cli, privacy_report
-from rayfl.safefile import JSON_DEPTH, JSON_LIMIT
+from rayfl import cli, gate, privacy_report
+from rayfl.gate import JSON_LIMIT
 
 VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
 
@@ -34,21 +34,21 @@ def _oversized(path: Path, victim: Path) -> None:
         f.truncate(JSON_LIMIT + 1)
 
 
-def _deep(path: Path, victim: Path) -> None:
-    path.write_text("[" * (JSON_DEPTH + 10) + "]" * (JSON_DEPTH + 10))
+def _planted(path: Path, victim: Path) -> None:
+    path.write_text("[" * 100_000 + "]" * 100_000)  # nested deep, and not written by rayfl
 
 
 PLANTS: dict[str, Callable[[Path, Path], None]] = {
     "symlink": _symlink,
     "fifo": _fifo,
     "oversized": _oversized,
-    "deep": _deep,
+    "planted": _planted,
 }
 PROBLEM = {
     "symlink": "symbolic link",
     "fifo": "FIFO",
     "oversized": "over the limit",
-    "deep": "nests deeper",
+    "planted": "not written by your rayfl",
 }
 
 
@@ -98,7 +98,9 @@ def test_privacy_report_refuses_a_trial_folder_that_is_a_symlink(tmp_path, capsy
 def test_privacy_report_refuses_a_summary_without_its_fields_in_one_line(tmp_path, capsys):
     trial = tmp_path / "trials" / "t1"
     trial.mkdir(parents=True)
-    (trial / "summary.json").write_text(json.dumps({"rounds": 3, "config": {}, "final": {}}))
+    gate.write(
+        trial / "summary.json", json.dumps({"rounds": 3, "config": {}, "final": {}}).encode()
+    )
     code = privacy_report.main([str(tmp_path / "trials"), "--out", str(tmp_path / "p.png")])
     line = _one_line(capsys.readouterr().err)
     assert code == 2 and "not a summary rayfl wrote" in line
