@@ -148,6 +148,7 @@ def test_ls_runs_changes_no_planted_running_run_and_creates_no_store(world, caps
     assert not Path("mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_out_onto_a_finished_run_refuses_and_force_moves_it_aside(world, capsys):
     run_dir, _, _ = world
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
