@@ -481,6 +481,44 @@ def _plugin_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+class UsageError(UserError):
+    """A command line argparse cannot parse (an unknown option, a missing argument)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises `UsageError` (one line, exit 2 in `main`) instead of printing the
+    usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line -> its arguments, with options and positional arguments in any order:
+    `rayfl run CONFIG --out DIR engine.rounds=2` as `rayfl run CONFIG engine.rounds=2 --out DIR`.
+
+    argparse fills a command's positional lists from the first run of positional arguments only;
+    those after an option come back unrecognized and are appended here, in their order, to the
+    command's list (`overrides`, or `validate`'s files and overrides).
+
+    Raises:
+        UsageError: an unknown option, a missing argument, or extra arguments to a command that
+            takes none.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    target = "configs" if args.command == "validate" else "overrides"
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, target)]
+    if unknown:
+        raise UsageError(
+            f"rayfl {args.command}: unrecognized arguments: {' '.join(unknown)}; "
+            f"see rayfl {args.command} --help"
+        )
+    if extra:
+        setattr(args, target, [*getattr(args, target), *extra])
+    return args
+
+
 def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
     return sub.add_parser(
         name,
@@ -492,7 +530,7 @@ def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rayfl",
         description=__doc__,
         epilog="examples:\n"
@@ -597,7 +635,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except UserError as exc:
+        print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
+        return 2
     # MLflow's source tag; Ray workers and Tune trials inherit it
     os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
     logging.basicConfig(
