@@ -25,7 +25,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import psutil
 import yaml
 
 from rayfl.config import RunConfig, build_config, clients_per_round, to_dict
-from rayfl.engine.startup import init_ray_for_run, spill_dir
+from rayfl.engine.startup import init_ray_for_run, python_command, spill_dir
 from rayfl.errors import UserError
 from rayfl.safefile import read_json, write_atomic
 
@@ -152,8 +151,8 @@ def run_floor(
     start = time.perf_counter()
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "rayfl.bench", "--floor", str(config_path), str(path)]
-            + [str(k), str(workers)],
+            python_command("rayfl.bench", "--floor", str(config_path), str(path), str(k))
+            + [str(workers)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -200,7 +199,7 @@ def run_child(args: list[str], what: str) -> tuple[float, TreeMemory]:
     """
     start = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-m", "rayfl.bench", *args],
+        python_command("rayfl.bench", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -43,10 +43,12 @@ class PlotProcess:
     is gone (it then returns nothing, and the caller draws in-process)."""
 
     def __init__(self) -> None:
+        from rayfl.engine.startup import python_command
+
         self._proc: subprocess.Popen[str] | None = None
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "rayfl.tracking.plotter"],
+                python_command("rayfl.tracking.plotter"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
