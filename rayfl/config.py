@@ -342,7 +342,22 @@ class RunConfig:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: `1e-3` and `1E5` are numbers, not strings."""
+    """PyYAML's safe loader with YAML 1.2 floats: `1e-3` and `1E5` are numbers, not strings,
+    that refuses nesting deeper than `YAML_DEPTH` while composing (PyYAML composes nodes
+    recursively: 20,000 nested brackets would exhaust the stack)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        if self._depth > YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nests deeper than {YAML_DEPTH} levels", self.peek_event().start_mark
+            )
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver(
@@ -370,7 +385,10 @@ def yaml_load(text: str) -> Any:
         yaml.YAMLError: also for a recursive alias or aliases that expand beyond
             ``YAML_VALUES`` values, before anything walks the result.
     """
-    data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except ValueError as exc:  # an int of more digits than Python converts (`int` refuses)
+        raise yaml.YAMLError(str(exc).splitlines()[0]) from None
     _check_expansion(data)
     return data
 
