@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -39,10 +40,20 @@ class Range:
 
     def describe(self) -> str:
         if self.hi is None:
-            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
+            return f"must be {'>' if self.lo_open else '>='} {shown(self.lo)}"
         left = "(" if self.lo_open else "["
         right = ")" if self.hi_open else "]"
-        return f"must be in {left}{self.lo:g}, {self.hi:g}{right}"
+        return f"must be in {left}{shown(self.lo)}, {shown(self.hi)}{right}"
+
+
+def shown(value: Any) -> str:
+    """A number for a message: whole numbers in full up to 15 digits, others in `g` form (an
+    int of thousands of digits has no `str` in Python >= 3.11)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**15 else f"about 1e{value.bit_length() * 0.30103:.0f}"
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 AT_LEAST_1 = Range(lo=1)
@@ -64,7 +75,8 @@ RANGES: dict[str, Range] = {
     "train.momentum": Range(lo=0, hi=1),
     "train.grad_clip": POSITIVE,
     "train.eval_batch_size": AT_LEAST_1,
-    "engine.rounds": AT_LEAST_1,
+    "seed": Range(lo=0, hi=2**32 - 1),
+    "engine.rounds": Range(lo=1, hi=1_000_000),
     "engine.fraction": Range(lo=0, hi=1, lo_open=True),
     "engine.clients_per_round": AT_LEAST_1,
     "engine.num_workers": Range(lo=1, hi=10_000),
@@ -83,6 +95,25 @@ RANGES: dict[str, Range] = {
     "privacy.secagg.threshold": Range(lo=0, hi=1, hi_open=True),
     "privacy.secagg.dropout": Range(lo=0, hi=1, hi_open=True),
 }
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=,@-]{0,99}")
+
+
+def check_name(value: Any, key: str) -> None:
+    """A name that becomes part of a folder's name, a plot's title or a page (a run's `name`,
+    a suite's or a sweep's, an algorithm label, a setting): letters, digits and `_.+=,@-`, not
+    starting with `.` or `-`, at most 100 characters; never a path or markup.
+
+    Raises:
+        ConfigError: one line naming `key` and the rule.
+    """
+    require(
+        isinstance(value, str) and NAME.fullmatch(value) is not None,
+        key,
+        f"{value!r} is not a name: use 1-100 letters, digits and _.+=,@- (starting with a "
+        "letter or digit)",
+    )
 
 
 # --------------------------------------------------------------------------- parsing
@@ -247,6 +278,7 @@ def check(cfg: RunConfig) -> None:
     from rayfl.resources import check_ray_num_cpus
 
     d, e = cfg.data, cfg.engine
+    check_name(cfg.name, "name")
     if d.dataset not in DATASETS:
         DATASETS.get(d.dataset, key="data.dataset")
     if d.partition.name not in PARTITIONERS:
@@ -254,7 +286,7 @@ def check(cfg: RunConfig) -> None:
     for key, rng in RANGES.items():
         value = _dotted(cfg, key)
         if value is not None:
-            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
+            require(rng.contains(value), key, f"{rng.describe()} (got {shown(value)})")
     if e.clients_per_round is not None:
         require(
             e.clients_per_round <= d.num_clients,

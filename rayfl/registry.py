@@ -67,6 +67,11 @@ class Registry(Generic[T]):
         self._sources: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
+        from rayfl.config_checks import check_name
+
+        # a name reaches folder names, plot labels and pages: never a path or markup
+        check_name(name, f"{self.kind} registered by {_source}")
+
         def decorator(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise ConfigError(
