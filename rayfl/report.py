@@ -444,16 +444,13 @@ def _short(value: Any) -> str:
 
 
 def sweep_report(out_dir: Path, page_dir: Path | None = None) -> str:
-    import yaml
-
+    from rayfl.config import parse_yaml
     from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
     from rayfl.tune.sweep import TEST_METRIC, is_validation_metric
 
     page_dir = page_dir or out_dir
     rows = _read_parquet(out_dir / "results.parquet")
-    raw = yaml.safe_load(read_text(out_dir / "sweep.yaml")) or {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{out_dir / 'sweep.yaml'}: not a mapping; restore the sweep folder")
+    raw = parse_yaml(read_text(out_dir / "sweep.yaml"), out_dir / "sweep.yaml")  # depth-bounded
     sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
     space_spec = raw.get("space") or sweep.get("space") or {}
     space = list(space_spec.keys())
@@ -571,7 +568,15 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
         raise UserError(f"rayfl report {folder}: no such folder")
     kind = kind_of(folder)
     target = Path(out) if out else folder / "report.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        raise UserError(f"rayfl report --out {target}: a folder; name the page's file instead")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"rayfl report --out {target}: cannot create its folder ({exc.strerror}); "
+            "choose another --out"
+        ) from None
     try:
         if kind == "run":
             text = run_report(folder)
