@@ -6,6 +6,7 @@ Every error a user can cause ends in one line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import shlex
@@ -182,6 +183,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the run directory keeps its last checkpoint; resume with: "
             f"{shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
         ) from None
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT:
+            raise
+        raise UserError(
+            f"{environment_error(exc)} (the run directory keeps its last checkpoint); once "
+            f"fixed, resume with: {shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
+        ) from None
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
     rejected, replies = rejected_replies(result.history)
@@ -346,7 +354,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.name == "partitioners":
         print(_partitioners_text())
         return 0
-    if args.name:
+    if args.name is not None:
         from rayfl.describe import describe
 
         print(describe(args.name))
@@ -657,6 +665,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT:
+            raise
+        print(f"rayfl: error: {environment_error(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:
         hint = (
             exc.resume_hint if isinstance(exc, Interrupted) else "the run keeps its last checkpoint"
@@ -675,6 +688,17 @@ def entry() -> NoReturn:
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run like Ctrl-C: the checkpoint stays intact and the resume hint is printed."""
     raise KeyboardInterrupt
+
+
+# what the machine refused, not what rayfl got wrong: a full disk, a quota, a read-only or
+# forbidden folder
+ENVIRONMENT = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def environment_error(exc: OSError) -> str:
+    """One line for an `ENVIRONMENT` error: what failed, and where."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def one_line(exc: BaseException) -> str:

@@ -355,13 +355,18 @@ class Simulation:
             closing = None
             if self.executor is not None:
                 closing = Background(self.executor.close, name="rayfl-close")
+            failed: list[Exception] = []
             for cb in self.callbacks:
                 try:
                     cb.on_run_end(self, status)
-                except Exception:  # a failing callback must not hide the run's own error
-                    log.exception("callback %s failed at the end of the run", type(cb).__name__)
+                except Exception as exc:  # a failing callback must not hide the run's own error
+                    failed.append(exc)
+                    name = type(cb).__name__
+                    log.info("callback %s failed at the end of the run", name, exc_info=True)
             if closing is not None:
                 closing.result()
+            if failed and status == "FINISHED":  # the run's only error: the caller's to report
+                raise failed[0]
         return self.result
 
     def cancel(self) -> None:
