@@ -75,8 +75,7 @@ RANGES: dict[str, Range] = {
     "train.momentum": Range(lo=0, hi=1),
     "train.grad_clip": POSITIVE,
     "train.eval_batch_size": AT_LEAST_1,
-    "seed": Range(lo=0, hi=2**32 - 1),
-    "engine.rounds": Range(lo=1, hi=1_000_000),
+    "engine.rounds": AT_LEAST_1,
     "engine.fraction": Range(lo=0, hi=1, lo_open=True),
     "engine.clients_per_round": AT_LEAST_1,
     "engine.num_workers": Range(lo=1, hi=10_000),
@@ -114,6 +113,13 @@ def check_name(value: Any, key: str) -> None:
         f"{value!r} is not a name: use 1-100 letters, digits and _.+=,@- (starting with a "
         "letter or digit)",
     )
+
+# Upper bounds that no experiment reaches, so that a typo (`engine.rounds=1e300`) is refused
+# instead of running without end; checked after `RANGES`.
+CAPS: dict[str, int] = {
+    "seed": 2**32 - 1,  # numpy's legacy seeding takes 32 bits
+    "engine.rounds": 1_000_000,
+}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -287,6 +293,9 @@ def check(cfg: RunConfig) -> None:
         value = _dotted(cfg, key)
         if value is not None:
             require(rng.contains(value), key, f"{rng.describe()} (got {shown(value)})")
+    for key, cap in CAPS.items():
+        value = _dotted(cfg, key)
+        require(value <= cap, key, f"must be <= {cap} (got {shown(value)})")
     if e.clients_per_round is not None:
         require(
             e.clients_per_round <= d.num_clients,
