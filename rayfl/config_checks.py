@@ -114,6 +114,7 @@ def check_name(value: Any, key: str) -> None:
         "letter or digit)",
     )
 
+
 # Upper bounds that no experiment reaches, so that a typo (`engine.rounds=1e300`) is refused
 # instead of running without end; checked after `RANGES`.
 CAPS: dict[str, int] = {
