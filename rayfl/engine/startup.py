@@ -97,10 +97,13 @@ DRIVER_CWD = "RAYFL_DRIVER_CWD"  # the driver's current directory, for `setup_wo
 
 def python_command(module: str, *args: str) -> list[str]:
     """The command line of `python -m module *args` without the current directory on the
-    child's `sys.path` (`-m` puts it first; `-P` does not exist before Python 3.11): `sys` is
-    built in, so nothing is imported before the entry is gone."""
-    code = f"import sys; del sys.path[0]; import runpy; runpy.run_module({module!r}, "
-    code += "run_name='__main__', alter_sys=True)"
+    child's `sys.path` (`-c` puts it first unless `PYTHONSAFEPATH` is set; `-P` does not exist
+    before Python 3.11): `sys` is built in, so nothing is imported before the entry is gone."""
+    code = (
+        "import sys\n"
+        "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+        f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
     return [sys.executable, "-c", code, *args]
 
 

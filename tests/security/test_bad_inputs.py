@@ -186,6 +186,11 @@ OVERRIDES = [
     "tracking.backend=nope",
     "data.options.num_samples=-1",
 ]
+OVERRIDES_RAY = [  # refused before Ray starts
+    ["engine.executor=ray", "engine.worker_resources.num_gpus=8"],
+    ["engine.executor=ray", "engine.server_resources.num_cpus=4096"],
+    ["engine.executor=ray", "engine.num_workers=5000", "engine.ray_num_cpus=2"],
+]
 
 CLI: dict[str, Build] = {}
 for key, make in BAD_YAML.items():
@@ -199,6 +204,21 @@ for key, make in BAD_YAML.items():
     ]
 for text in OVERRIDES:
     CLI[f"run-{text}"] = lambda t, text=text: ["run", config(t), text, "--out", str(t / "r")]
+for texts in OVERRIDES_RAY:
+    CLI[f"run-{texts[-1]}"] = lambda t, texts=texts: [
+        "run",
+        config(t),
+        *texts,
+        "--out",
+        str(t / "r"),
+    ]
+CLI["run-missing-folder-dataset"] = lambda t: [
+    "run",
+    config(t),
+    "data.dataset=folder",
+    "data.options={}",
+    f"data.root={t / 'nope'}",
+]
 for text in OVERRIDES[::3]:
     CLI[f"validate-{text}"] = lambda t, text=text: ["validate", config(t), text]
 
