@@ -150,6 +150,10 @@ def _raw(config: str | Path | Mapping[str, Any] | RunConfig) -> dict[str, Any]:
         return dict(to_dict(config))
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, str | Path):
+        raise UserError(
+            f"config: expected a YAML path, a dict or a RunConfig, got {type(config).__name__}"
+        )
     return read_yaml(config)
 
 

@@ -6,6 +6,7 @@ Every error a user can cause ends in one line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import shlex
@@ -183,6 +184,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the run directory keeps its last checkpoint; resume with: "
             f"{shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
         ) from None
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT:
+            raise
+        raise UserError(
+            f"{environment_error(exc)} (the run directory keeps its last checkpoint); once "
+            f"fixed, resume with: {shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
+        ) from None
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
     rejected, replies = rejected_replies(result.history)
@@ -350,7 +358,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.name == "partitioners":
         print(_partitioners_text())
         return 0
-    if args.name:
+    if args.name is not None:
         from rayfl.describe import describe
 
         print(describe(args.name))
@@ -470,6 +478,44 @@ def _plugin_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+class UsageError(UserError):
+    """A command line argparse cannot parse (an unknown option, a missing argument)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises `UsageError` (one line, exit 2 in `main`) instead of printing the
+    usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line -> its arguments, with options and positional arguments in any order:
+    `rayfl run CONFIG --out DIR engine.rounds=2` as `rayfl run CONFIG engine.rounds=2 --out DIR`.
+
+    argparse fills a command's positional lists from the first run of positional arguments only;
+    those after an option come back unrecognized and are appended here, in their order, to the
+    command's list (`overrides`, or `validate`'s files and overrides).
+
+    Raises:
+        UsageError: an unknown option, a missing argument, or extra arguments to a command that
+            takes none.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    target = "configs" if args.command == "validate" else "overrides"
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, target)]
+    if unknown:
+        raise UsageError(
+            f"rayfl {args.command}: unrecognized arguments: {' '.join(unknown)}; "
+            f"see rayfl {args.command} --help"
+        )
+    if extra:
+        setattr(args, target, [*getattr(args, target), *extra])
+    return args
+
+
 def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
     return sub.add_parser(
         name,
@@ -481,7 +527,7 @@ def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rayfl",
         description=__doc__,
         epilog="examples:\n"
@@ -578,7 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except UserError as exc:
+        print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
+        return 2
     # MLflow's source tag; Ray workers and Tune trials inherit it
     os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
     logging.basicConfig(
@@ -595,6 +645,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except UserError as exc:
         print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT:
+            raise
+        print(f"rayfl: error: {environment_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         hint = (
@@ -614,6 +669,17 @@ def entry() -> NoReturn:
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run like Ctrl-C: the checkpoint stays intact and the resume hint is printed."""
     raise KeyboardInterrupt
+
+
+# what the machine refused, not what rayfl got wrong: a full disk, a quota, a read-only or
+# forbidden folder
+ENVIRONMENT = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def environment_error(exc: OSError) -> str:
+    """One line for an `ENVIRONMENT` error: what failed, and where."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def one_line(exc: BaseException) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from rayfl.config import yaml_load
 from rayfl.errors import ConfigError, suggest
 
 logger = logging.getLogger(__name__)
@@ -372,9 +373,10 @@ def validate_cluster_config(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"cluster config: {path} does not exist; pass the path of cluster.yaml")
     try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cluster config: {path} is not valid YAML: {exc}") from exc
+        config = yaml_load(path.read_text())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cluster config: {path} is not valid YAML: {first}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"cluster config {path}: $: expected a mapping at the top level")
     try:

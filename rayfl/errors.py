@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 
@@ -27,3 +28,22 @@ def require(condition: bool, key: str, problem: str) -> None:
     """Raise a ConfigError `key: problem` unless `condition` holds."""
     if not condition:
         raise ConfigError(f"{key}: {problem}")
+
+
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=,@-]{0,99}")
+
+
+def check_name(value: object, key: str) -> None:
+    """A name that becomes part of a folder's name, a plot's title or a page (a suite's or a
+    sweep's name, an algorithm label, a setting, a registered name): letters, digits and
+    `_.+=,@-`, not starting with `.` or `-`, at most 100 characters; never a path or markup.
+
+    Raises:
+        ConfigError: one line naming `key` and the rule.
+    """
+    require(
+        isinstance(value, str) and NAME.fullmatch(value) is not None,
+        key,
+        f"{value!r:.60} is not a name: use 1-100 letters, digits and _.+=,@- (starting with a "
+        "letter, digit or _)",
+    )

@@ -16,9 +16,9 @@ A plugin is a Python module whose import registers entries in the domains' regis
 Built-ins load first, then entry points, then the named plugins, each file once, so a name that
 clashes with a built-in fails at its registration with one line. A file plugin is imported as a
 module named after the file (`my_algos`), so its classes pickle by reference and every Ray
-worker of the run imports the same files first: `runtime_env` (`init_ray` passes it to
-`ray.init`) sets Ray's `worker_process_setup_hook` to `setup_worker`, which imports them as the
-worker process starts, before any task or actor of the run. On a multi-node cluster the file
+worker of the run imports the same files first: `rayfl.engine.startup.setup_worker`, Ray's
+`worker_process_setup_hook`, calls `setup_worker`, which imports the plugins that
+`runtime_env` names as the worker process starts, before any task or actor of the run. On a multi-node cluster the file
 must exist at the same path on every node (or be an installed package).
 
 Plugins named in a run directory's `config.yaml` are never imported from there (a run
@@ -163,14 +163,11 @@ def _import_file(path: Path) -> None:
 
 
 def runtime_env() -> dict[str, Any]:
-    """`ray.init`'s `runtime_env` that makes every worker import this process's plugins ({}
-    when there are none)."""
+    """The `runtime_env` environment that names this process's plugins to every worker ({}
+    when there are none); `rayfl.engine.startup.worker_runtime_env` adds the rest."""
     if not _plugins:
         return {}
-    return {
-        "worker_process_setup_hook": f"{__name__}.setup_worker",
-        "env_vars": {ENV: json.dumps(active())},
-    }
+    return {"env_vars": {ENV: json.dumps(active())}}
 
 
 def setup_worker() -> None:

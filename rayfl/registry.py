@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from importlib import metadata
 from typing import Generic, TypeVar
 
-from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.errors import ConfigError, UserError, check_name, suggest
 
 T = TypeVar("T")
 
@@ -58,6 +58,9 @@ class Registry(Generic[T]):
         _registries.append(self)  # type: ignore[arg-type]
 
     def register(self, name: str) -> Callable[[T], T]:
+        # a name reaches folder names, plot labels and pages: never a path or markup
+        check_name(name, f"{self.kind} registered by {_source}")
+
         def decorator(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise ConfigError(

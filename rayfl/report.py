@@ -585,6 +585,8 @@ def write_report(path: str | Path, out: str | Path | None = None, untrusted: boo
     if not folder.is_dir():
         raise UserError(f"rayfl report {folder}: no such folder")
     target = Path(out) if out else folder / "report.html"
+    if target.is_dir():
+        raise UserError(f"rayfl report --out {target}: a folder; name the page's file instead")
     with gate.untrusted() if untrusted else contextlib.nullcontext():
         kind = kind_of(folder)
         try:

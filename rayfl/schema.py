@@ -310,7 +310,7 @@ class AlgorithmConfig:
 class RunConfig:
     algorithm: AlgorithmConfig
     name: str = setting("run", "the run's name: letters, digits, '.', '_', '-'", pattern=NAME)
-    seed: int = setting(0, "seed of every random stream of the run")
+    seed: int = setting(0, "seed of every random stream of the run", le=2**32 - 1)
     data: DataConfig = setting(help="dataset and splits", factory=DataConfig)
     model: ModelConfig = setting(help="client architectures", factory=ModelConfig)
     train: TrainConfig = setting(help="the minibatch loop", factory=TrainConfig)

@@ -54,7 +54,10 @@ def yaml_load(text: str) -> Any:
         yaml.YAMLError: also for nesting deeper than ``YAML_DEPTH`` (before composing it), a
             recursive alias or aliases that expand beyond ``YAML_VALUES`` values.
     """
-    data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except ValueError as exc:  # an int of more digits than Python converts (`int` refuses)
+        raise yaml.YAMLError(str(exc).splitlines()[0]) from None
     _check_expansion(data)
     return data
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rayfl.config import build_config, parse_override, read_yaml, resolve_base_file, set_dotted
-from rayfl.errors import ConfigError, UserError, suggest
+from rayfl.errors import ConfigError, UserError, check_name, suggest
 from rayfl.schema import RunConfig
 
 SUITE_KEYS = (
@@ -134,10 +134,11 @@ def _algorithm_entries(raw: Mapping[str, Any], path: Path) -> tuple[list[Any], l
                 )
         algos.append((label, entry["name"], pairs))
     labels = [a[0] for a in algos]
-    for label in labels:
-        if labels.count(label) > 1 or "/" in label:
+    for i, label in enumerate(labels):
+        check_name(label, f"{path}: algorithms[{i}].label")
+        if labels.count(label) > 1:
             raise ConfigError(
-                f"{path}: algorithm label {label!r} is repeated or has a '/'; give each a unique label"
+                f"{path}: algorithm label {label!r} is repeated; give each a unique label"
             )
     return algos, labels
 
@@ -167,8 +168,10 @@ def _settings(raw: Mapping[str, Any], path: Path) -> tuple[list[Any], list[str]]
             or set(s) - {"name", "overrides"}
         ):
             raise ConfigError(f"settings[{i}]: expected {{name, overrides}}")
-        if "/" in s["name"] or any(s["name"] == other[0] for other in settings):
-            raise ConfigError(f"settings[{i}]: name {s['name']!r} is repeated or has a '/'")
+        if raw.get("settings"):  # (not the one unnamed setting)
+            check_name(s["name"], f"settings[{i}].name")
+        if any(s["name"] == other[0] for other in settings):
+            raise ConfigError(f"settings[{i}]: name {s['name']!r} is repeated")
         pairs = _pairs(s.get("overrides"), f"settings[{i}].overrides")
         if any(p == ["seed"] for p, _ in pairs):
             raise ConfigError(f"settings[{i}].overrides: use the suite's seeds, not seed")
@@ -199,8 +202,8 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
             f"valid keys: {', '.join(SUITE_KEYS)}"
         )
     name = raw.get("suite")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{path}: suite must be a non-empty name")
+    check_name(name, f"{path}: suite")
+    assert isinstance(name, str)
     base = _base(raw, path)
     base_algorithm = base.pop("algorithm", None) or {}
     select, cli = _split_cli(overrides)

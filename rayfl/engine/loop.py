@@ -246,13 +246,18 @@ class Simulation:
                 except Exception:
                     log.exception("the last round's evaluation failed")
             self.result.status = status
+            failed: list[Exception] = []
             for cb in self.callbacks:
                 try:
                     cb.on_run_end(self, status)
-                except Exception:  # a failing callback must not hide the run's own error
-                    log.exception("callback %s failed at the end of the run", type(cb).__name__)
+                except Exception as exc:  # a failing callback must not hide the run's own error
+                    failed.append(exc)
+                    name = type(cb).__name__
+                    log.info("callback %s failed at the end of the run", name, exc_info=True)
             if self.executor is not None:
                 self.executor.close()
+            if failed and status == "FINISHED":  # the run's only error: the caller's to report
+                raise failed[0]
         return self.result
 
     def restore(self, restored: Restored) -> None:

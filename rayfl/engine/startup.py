@@ -9,13 +9,24 @@ to the first round's row as `time/startup/<phase>_s`.
 Ray is started with its supported options (`ray.init`'s documented arguments) and stopped
 with `ray.shutdown()`; nothing of Ray's is patched and none of its processes is signalled by
 rayfl.
+
+No code from the working directory: Ray puts the driver's current directory (and its script's)
+first on every worker's `sys.path` unless the job has a `working_dir`, so a `json.py` or
+`rayfl.py` in the folder a command runs from would be imported by every worker. `init_ray`
+gives the job an empty `working_dir` (Ray then adds neither), and `setup_worker` moves each
+worker back to the driver's directory, which is thereby never on its path: relative paths
+mean in a worker what they mean in the driver. Child Python processes start through
+`python_command`, which drops the current directory from their path too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -80,6 +91,46 @@ class _DropRayNotes(logging.Filter):
         return not any(f in message for f in self.fragments)
 
 
+DRIVER_CWD = "RAYFL_DRIVER_CWD"  # the driver's current directory, for `setup_worker`
+
+
+def python_command(module: str, *args: str) -> list[str]:
+    """The command line of `python -m module *args` without the current directory on the
+    child's `sys.path` (`-c` puts it first unless `PYTHONSAFEPATH` is set; `-P` does not exist
+    before Python 3.11): `sys` is built in, so nothing is imported before the entry is gone."""
+    code = (
+        "import sys\n"
+        "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+        f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
+def worker_runtime_env() -> dict[str, Any]:
+    """`ray.init`'s `runtime_env`: the plugins' (`rayfl.plugins.runtime_env`), an empty
+    `working_dir` (filled in by `init_ray`) so that Ray puts no directory of the driver on the
+    workers' `sys.path`, and `setup_worker` as every worker's first step."""
+    from rayfl.plugins import runtime_env
+
+    env = runtime_env()
+    return {
+        **env,
+        "worker_process_setup_hook": f"{__name__}.setup_worker",
+        "env_vars": {**env.get("env_vars", {}), DRIVER_CWD: os.getcwd()},
+    }
+
+
+def setup_worker() -> None:
+    """Ray's `worker_process_setup_hook`: the worker runs in the driver's directory (when this
+    node has it), as it would without a `working_dir`, and imports the driver's plugins."""
+    from rayfl.plugins import setup_worker as import_plugins
+
+    cwd = os.environ.get(DRIVER_CWD)
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    import_plugins()
+
+
 def spill_dir(run_dir: str | Path) -> Path:
     """Where a run's private Ray spills objects unless `engine.spill_dir` says otherwise: the
     run's own folder, never a path that other runs share."""
@@ -122,17 +173,16 @@ def init_ray(
             cluster that does not answer, or a local start that failed (Ray's "The current node
             timed out during startup", a raylet that aborted, no room in its temp dir).
     """
-    from rayfl.plugins import runtime_env
 
     if ray.is_initialized():
         return False
+    empty = tempfile.mkdtemp(prefix="rayfl-workdir-")  # uploaded by `ray.init`, then not needed
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
         "log_to_driver": True,
         "configure_logging": False,
+        "runtime_env": {**worker_runtime_env(), "working_dir": empty},
     }
-    if runtime_env():  # every worker imports the user's plugins first (rayfl.plugins)
-        kwargs["runtime_env"] = runtime_env()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
     notes = [] if main_thread else ["not the main thread"]
@@ -166,6 +216,7 @@ def init_ray(
     except Exception as exc:  # Ray raises bare `Exception`s for a start that timed out
         raise UserError(start_failure(exc, address)) from None
     finally:
+        shutil.rmtree(empty, ignore_errors=True)
         for handler in handlers:
             handler.removeFilter(quiet)
         if main_thread and callable(previous):
