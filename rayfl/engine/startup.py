@@ -15,8 +15,7 @@ first on every worker's `sys.path` unless the job has a `working_dir`, so a `jso
 `rayfl.py` in the folder a command runs from would be imported by every worker. `init_ray`
 gives the job an empty `working_dir` (Ray then adds neither), and `setup_worker` moves each
 worker back to the driver's directory, which is thereby never on its path: relative paths
-mean in a worker what they mean in the driver. Child Python processes start through
-`python_command`, which drops the current directory from their path too.
+mean in a worker what they mean in the driver. rayfl starts no child Python process.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -92,18 +90,6 @@ class _DropRayNotes(logging.Filter):
 
 
 DRIVER_CWD = "RAYFL_DRIVER_CWD"  # the driver's current directory, for `setup_worker`
-
-
-def python_command(module: str, *args: str) -> list[str]:
-    """The command line of `python -m module *args` without the current directory on the
-    child's `sys.path` (`-c` puts it first unless `PYTHONSAFEPATH` is set; `-P` does not exist
-    before Python 3.11): `sys` is built in, so nothing is imported before the entry is gone."""
-    code = (
-        "import sys\n"
-        "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
-        f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
-    )
-    return [sys.executable, "-c", code, *args]
 
 
 def worker_runtime_env() -> dict[str, Any]:
