@@ -33,6 +33,9 @@ class _Sim:
         self.cfg = cfg
         self.result = RunResult(cfg, history=history)
 
+    def wall_s(self):
+        return 1.0
+
 
 def test_summary_json_is_strict_even_with_nan_metrics(synthetic_raw, tmp_path):
     cfg = build_config(synthetic_raw)
