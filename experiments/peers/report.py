@@ -17,10 +17,11 @@ TOLERANCE = 1.5  # points: the agreement asked of a peer check at the same round
 
 COMMAND = (
     "PYTHONPATH=$PWD python3 experiments/peers/htfllib.py install "
-    "<fetched TsingZ0/HtFLlib git dir> /tmp/i43/htfl (FD: a second copy at --commit 17f851e in "
-    "/tmp/i43/htfl-17f851e); python3 -m venv --system-site-packages /tmp/i43/venv; "
-    "/tmp/i43/venv/bin/pip install h5py; then each row's command with PYTHONPATH=$PWD "
-    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/htfllib.jsonl"
+    "<fetched TsingZ0/HtFLlib git dir> /tmp/peers/htfl (FD: a second copy at --commit 17f851e "
+    "in /tmp/peers/htfl-17f851e); python3 -m venv --system-site-packages /tmp/peers/venv; "
+    "/tmp/peers/venv/bin/pip install h5py higher; then each row's command with PYTHONPATH=$PWD "
+    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/htfllib.jsonl (the rows' "
+    "/tmp/i43 paths are an earlier copy of the same installs)"
 )
 
 
@@ -62,7 +63,7 @@ def section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "epoch, every client every round, gradient clipping at 10 for FML and FedKD as "
         "HtFLlib's clients do; accuracy = correct / samples over every client's local test "
         "split after each round (HtFLlib's `evaluate`, rayfl's deployed protocol "
-        "`personal/acc`). One seed: model initialisations and batch order differ between the "
+        "`personal/acc`). Model initialisations and batch order differ between the "
         "libraries (HtFLlib iterates in a fixed order and drops the last incomplete batch), so "
         f"the runs agree in distribution only; the target is {TOLERANCE} points at the same "
         "round. One run's accuracy over N test images has a binomial standard error of "
@@ -208,6 +209,30 @@ def sections(folder: Path) -> list[str]:
     out: list[str] = []
     if (folder / "htfllib.jsonl").is_file():
         out += section(read_rows(folder / "htfllib.jsonl"))
+    if (folder / "htfllib_inits.jsonl").is_file():
+        out += inits_section(read_rows(folder / "htfllib_inits.jsonl"))
     if (folder / "pfllib.jsonl").is_file():
         out += pfllib_section(read_rows(folder / "pfllib.jsonl"))
+    return out
+
+
+def inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """HtFLlib's accuracy on one partition with other initial draws (a diagnosis)."""
+    if not rows:
+        return []
+    out = [
+        "### HtFLlib's initial draw (diagnosis)",
+        "",
+        "HtFLlib seeds torch with 0 before building every client (`clientbase.py:20`), so all "
+        "its rows above start from one draw of initial models. Here a copy of HtFLlib with that "
+        "seed set to S (the one-line change in `patch`; not a peer check) runs on the seed-0 "
+        f"partition of the rows above. Patch: `{rows[0]['patch']}`.",
+        "",
+        "| algorithm | HtFLlib init seed | accuracy (%) after rounds 1.. of training | command |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        accs = ", ".join(f"{100 * v:.1f}" for v in row["after_training_rounds"])
+        out.append(f"| {row['algo']} | {row['htfllib_init_seed']} | {accs} | `{row['command']}` |")
+    out.append("")
     return out
