@@ -25,7 +25,7 @@ PFLlib seeds torch with 0 at import (main.py) and before building every client
 alike, as rayfl's clients start from their server's model.
 
 Protocol differences that stay (both libraries' own choices): PFLlib drops the last incomplete
-batch (`clientbase.py:57`, `drop_last=True`), rayfl keeps it; model initialisations are
+batch (`clientbase.py:59`, `drop_last=True`), rayfl keeps it; model initialisations are
 different draws. PFLlib evaluates at the start of each round, after the server's models are
 sent (`serverper.py:27-33`), so its entry r is after r rounds of training; rayfl's deployed
 protocol scores after each round with the new server state, the same point.
@@ -181,8 +181,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     (work / "rayfl" / "config.yaml").write_text(json.dumps(raw))  # JSON is YAML
     ours = [h["personal/acc"] for h in sim.result.history if "personal/acc" in h]
     dataset = f"rayfl_{a.algo}_{a.dataset}_s{a.seed}"
-    if not (a.dest / "dataset" / dataset / "config.json").exists():
-        htfllib.convert(work / "rayfl", a.dest / "dataset" / dataset)
+    htfllib.convert(work / "rayfl", a.dest / "dataset" / dataset)  # overwrites an earlier one
     flags = ALGOS[a.algo][3] + ["--global_rounds", str(a.rounds)]
     flags += ["--local_learning_rate", str(a.lr), "--batch_size", "10", "--local_epochs", "1"]
     flags += a.pfllib_flags
