@@ -531,11 +531,10 @@ def page() -> str:
     if subsets.is_file():
         for meta in json.loads(subsets.read_text()):
             out += subset_section(meta)
-    peers = RESULTS / "peers" / "htfllib.jsonl"
-    if peers.is_file():  # experiments/peers/report.py renders them (no torch)
+    if (RESULTS / "peers").is_dir():  # experiments/peers/report.py renders them (no torch)
         from peers import report
 
-        out += report.section(report.read_rows(peers))
+        out += report.sections(RESULTS / "peers")
     text = "\n".join(out)
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")

@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # HtFLlib names and flags of the algorithms checked (system/main.py, system/total.sh)
 ALGOS = {
+    # local training alone: the two libraries' shared protocol, no algorithm on top
+    "local": ("Local", []),
     "fml": ("FML", ["--alpha", "0.5", "--beta", "0.5"]),
     "fedkd": ("FedKD", ["--mentee_learning_rate", "0.01"]),
     "fd": ("FD", ["--lamda", "1"]),
@@ -68,7 +70,7 @@ ALGOS = {
     "fedl2g": (
         "FedL2G-feat",
         ["--server_learning_rate", "0.01", "--meta_study_batches", "1"]
-        + ["--meta_quiz_batches", "1", "--warm_up_rounds", "1"],
+        + ["--meta_quiz_batches", "1"],
     ),
 }
 # main.py's parser defaults for the fields the servers and clients of ALGOS read
@@ -208,6 +210,7 @@ def run_htfllib(
     htfl_models.RayflNet = RayflNet  # type: ignore[attr-defined]
     name, _ = ALGOS[algo]
     module, cls = {
+        "Local": ("serverlocal", "Local"),
         "FML": ("serverfml", "FML"),
         "FedKD": ("serverkd", "FedKD"),
         "FD": ("serverfd", "FD"),
@@ -266,12 +269,14 @@ def rayfl_config(a: argparse.Namespace) -> dict[str, Any]:
     if a.dataset != "synthetic":
         data["train_samples"] = a.train_samples
     clip = 10.0 if a.algo in ("fml", "fedkd") else None  # clientfml.py:55, clientkd.py:76
+    # FedL2G: one warm-up round on both sides (HtFLlib's 50 would leave a short run untrained)
+    defaults = {"warm_up_rounds": 1} if a.algo == "fedl2g" else {}
     return {
         "name": f"peer_{a.algo}",
         "seed": a.seed,
         "data": data,
         "model": {"family": a.family},
-        "algorithm": {"name": a.algo, **json.loads(a.params)},
+        "algorithm": {"name": a.algo, **defaults, **json.loads(a.params)},
         "train": {
             "local_epochs": 1,
             "batch_size": 10,
@@ -306,6 +311,8 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     convert(work / "rayfl", a.dest / "dataset" / dataset)
     family = list(get_family(a.family).architectures)
     name, flags = ALGOS[a.algo]
+    if a.algo == "fedl2g":  # both sides warm up for the same number of rounds
+        flags = flags + ["--warm_up_rounds", str(raw["algorithm"]["warm_up_rounds"])]
     cmd = [a.python, __file__, "htfllib", "--dest", str(a.dest), "--dataset", dataset]
     cmd += ["--algo", a.algo, "--family", *family, "--", "--global_rounds", str(a.rounds)]
     cmd += flags + a.htfllib_flags
@@ -315,7 +322,11 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
         raise SystemExit(f"HtFLlib's run failed ({done.returncode})")
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    # HtFLlib evaluates before each round: entry r is after r rounds (entry 0: untrained)
+    # HtFLlib evaluates before each round: entry r is after r rounds of training (entry 0:
+    # untrained); FedL2G's server starts evaluating after its warm-up rounds
+    # (`serverl2g_feat.py:42`), rayfl scores after every round, so rayfl's first `warm` entries
+    # are before any training and its entry warm + r - 1 is after r rounds of training
+    warm = raw["algorithm"]["warm_up_rounds"] if a.algo == "fedl2g" else 0
     row = {
         "algo": a.algo,
         "dataset": a.dataset,
@@ -324,9 +335,11 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "config": raw,
         "htfllib_flags": flags + a.htfllib_flags,
         "htfllib_commit": (a.dest / "COMMIT").read_text().strip(),
-        "rayfl": ours,
-        "htfllib": theirs[1 : a.rounds + 1],
+        "rayfl": ours[warm:],
+        "htfllib": theirs[1 : a.rounds - warm + 1],
         "rayfl_failed": failed,
+        "rayfl_all": ours,  # every round's score, as recorded
+        "htfllib_all": theirs,
     }
     return row
 

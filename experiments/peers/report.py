@@ -1,5 +1,6 @@
-"""The "Peer checks against HtFLlib" section of docs/results.md, from the rows that
-`experiments/peers/htfllib.py compare --out docs/results/peers/htfllib.jsonl` appends.
+"""The "Peer checks" sections of docs/results.md, from the rows that
+`experiments/peers/htfllib.py compare --out docs/results/peers/htfllib.jsonl` and
+`experiments/peers/pfllib.py compare --out docs/results/peers/pfllib.jsonl` append.
 
 No torch here: `experiments/make_results.py` imports this module to build the page.
 """
@@ -7,6 +8,7 @@ No torch here: `experiments/make_results.py` imports this module to build the pa
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,19 @@ TOLERANCE = 1.5  # points: the agreement asked of a peer check at the same round
 
 COMMAND = (
     "PYTHONPATH=$PWD python3 experiments/peers/htfllib.py install "
-    "<fetched TsingZ0/HtFLlib git dir> /tmp/i43/htfl (FD: a second copy at --commit 17f851e in "
-    "/tmp/i43/htfl-17f851e); python3 -m venv --system-site-packages /tmp/i43/venv; "
-    "/tmp/i43/venv/bin/pip install h5py; then each row's command with PYTHONPATH=$PWD "
-    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/htfllib.jsonl"
+    "<fetched TsingZ0/HtFLlib git dir> /tmp/peers/htfl (FD: a second copy at --commit 17f851e "
+    "in /tmp/peers/htfl-17f851e); python3 -m venv --system-site-packages /tmp/peers/venv; "
+    "/tmp/peers/venv/bin/pip install h5py higher; then each row's command with PYTHONPATH=$PWD "
+    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/htfllib.jsonl (the rows' "
+    "/tmp/i43 paths are an earlier copy of the same installs)"
+)
+
+
+PFLLIB_COMMAND = (
+    "PYTHONPATH=$PWD python3 experiments/peers/pfllib.py install <fetched TsingZ0/PFLlib git "
+    "dir> /tmp/peers/pfl; python3 -m venv --system-site-packages /tmp/peers/venv; "
+    "/tmp/peers/venv/bin/pip install h5py; then each row's command with PYTHONPATH=$PWD "
+    "OMP_NUM_THREADS=1, appending its row to docs/results/peers/pfllib.jsonl"
 )
 
 
@@ -52,7 +63,7 @@ def section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "epoch, every client every round, gradient clipping at 10 for FML and FedKD as "
         "HtFLlib's clients do; accuracy = correct / samples over every client's local test "
         "split after each round (HtFLlib's `evaluate`, rayfl's deployed protocol "
-        "`personal/acc`). One seed: model initialisations and batch order differ between the "
+        "`personal/acc`). Model initialisations and batch order differ between the "
         "libraries (HtFLlib iterates in a fixed order and drops the last incomplete batch), so "
         f"the runs agree in distribution only; the target is {TOLERANCE} points at the same "
         "round. One run's accuracy over N test images has a binomial standard error of "
@@ -65,37 +76,163 @@ def section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         f"- Setup: `{COMMAND}`.",
         "",
     ]
+    out += seeds_summary(rows, "htfllib", "HtFLlib")
     for row in rows:
-        cfg = row["config"]
-        params = {k: v for k, v in cfg["algorithm"].items() if k != "name"}
-        title = f"### {row['algo']}: {setting(row)}"
-        out += [
-            title,
-            "",
-            f"- rayfl options: {json.dumps(params) if params else 'defaults'}; HtFLlib "
-            f"flags: `{' '.join(row['htfllib_flags'])}`; HtFLlib commit "
-            f"`{row['htfllib_commit'][:7]}`; seed {row['seed']}.",
-        ]
-        if row.get("command"):
-            out.append(f"- Command: `{row['command']}`.")
-        if row.get("note"):
-            out.append(f"- {row['note']}")
-        if row.get("rayfl_failed"):
-            out.append(f"- rayfl stopped: {row['rayfl_failed']}")
-        out.append("")
-        ours, theirs = row["rayfl"], row["htfllib"]
-        body = []
-        for r in range(max(len(ours), len(theirs))):
-            a = ours[r] if r < len(ours) else None
-            b = theirs[r] if r < len(theirs) else None
-            cells = [f"{100 * v:.1f}" if v is not None and v == v else "-" for v in (a, b)]
-            if a is not None and b is not None and a == a and b == b:
-                d = 100 * (a - b)
-                cells.append(f"{d:+.1f}" + ("" if abs(d) <= TOLERANCE else " (over)"))
-            else:
-                cells.append("-")
-            body.append([str(r + 1), *cells])
-        out += ["| round | rayfl (%) | HtFLlib (%) | Δ (points) |", "|---|---|---|---|"]
-        out += ["| " + " | ".join(cells) + " |" for cells in body]
-        out.append("")
+        out += row_table(row, "htfllib", "HtFLlib")
+    return out
+
+
+def peer_of(row: Mapping[str, Any]) -> tuple[str, str]:
+    return ("pfllib", "PFLlib") if "pfllib" in row else ("htfllib", "HtFLlib")
+
+
+def delta(a: Any, b: Any) -> float | None:
+    ok = a is not None and b is not None and a == a and b == b
+    return 100 * (a - b) if ok else None
+
+
+def row_table(row: Mapping[str, Any], key: str, peer: str) -> list[str]:
+    """One row's table: rayfl against the peer per round."""
+    cfg = row["config"]
+    params = {k: v for k, v in cfg["algorithm"].items() if k != "name"}
+    out = [
+        f"### {row['algo']}: {setting(row)}",
+        "",
+        f"- rayfl options: {json.dumps(params) if params else 'defaults'}; {peer} "
+        f"flags: `{' '.join(row[key + '_flags'])}`; {peer} commit "
+        f"`{row[key + '_commit'][:7]}`; seed {row['seed']}.",
+    ]
+    if row.get("command"):
+        out.append(f"- Command: `{row['command']}`.")
+    if row.get("note"):
+        out.append(f"- {row['note']}")
+    if row.get("rayfl_failed"):
+        out.append(f"- rayfl stopped: {row['rayfl_failed']}")
+    out.append("")
+    ours, theirs = row["rayfl"], row[key]
+    body = []
+    for r in range(max(len(ours), len(theirs))):
+        a = ours[r] if r < len(ours) else None
+        b = theirs[r] if r < len(theirs) else None
+        cells = [f"{100 * v:.1f}" if v is not None and v == v else "-" for v in (a, b)]
+        d = delta(a, b)
+        cells.append("-" if d is None else f"{d:+.1f}" + ("" if abs(d) <= TOLERANCE else " (over)"))
+        body.append([str(r + 1), *cells])
+    out += [f"| round | rayfl (%) | {peer} (%) | Δ (points) |", "|---|---|---|---|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in body]
+    out.append("")
+    return out
+
+
+def group_key(row: Mapping[str, Any], key: str) -> str:
+    """Rows that differ only in their seed."""
+    cfg = {k: v for k, v in row["config"].items() if k not in ("seed", "name")}
+    return json.dumps([row["algo"], cfg, row[key + "_flags"], row[key + "_commit"]], sort_keys=True)
+
+
+def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> list[str]:
+    """Per (algorithm, setting) run over several seeds: the rayfl - peer difference per round,
+    mean ± sample std over the seeds, and each seed's."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(group_key(row, key), []).append(row)
+    lines = []
+    for members in groups.values():
+        seeds = sorted({m["seed"] for m in members})
+        if len(seeds) < 2:
+            continue
+        members = sorted(members, key=lambda m: m["seed"])
+        first = members[0]
+        rounds = min(min(len(m["rayfl"]), len(m[key])) for m in members)
+        cells = []
+        for r in range(rounds):
+            ds = [delta(m["rayfl"][r], m[key][r]) for m in members]
+            ok = [d for d in ds if d is not None]
+            mean = statistics.mean(ok)
+            std = statistics.stdev(ok) if len(ok) > 1 else float("nan")
+            flag = "" if abs(mean) <= TOLERANCE else " (over)"
+            cells.append(f"{mean:+.1f} ± {std:.1f}{flag} ({', '.join(f'{d:+.1f}' for d in ok)})")
+        lines.append(
+            f"| {first['algo']} | {setting(first)}; {peer} `{first[key + '_commit'][:7]}` | "
+            f"{', '.join(map(str, seeds))} | " + " | ".join(cells) + " |"
+        )
+    if not lines:
+        return []
+    width = max(line.count("|") - 4 for line in lines)
+    head = "| algorithm | setting | seeds | " + " | ".join(f"Δ round {r + 1}" for r in range(width))
+    return [
+        f"### Over seeds: rayfl - {peer} per round (points, mean ± std, then each seed's)",
+        "",
+        "The same comparison on the partitions of several seeds (rayfl's seed draws the "
+        f"partition and rayfl's initial models; {peer} seeds torch with 0 before building "
+        "every client, so its initial models are the same draw in every row). `local` (every "
+        "client trains alone, no algorithm) measures what the two libraries' shared protocol "
+        "alone leaves between them.",
+        "",
+        head + " |",
+        "|---|---|---|" + "---|" * width,
+        *lines,
+        "",
+    ]
+
+
+def pfllib_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown lines: the PFLlib peer checks, as `section` renders HtFLlib's."""
+    if not rows:
+        return []
+    out = [
+        "## Peer checks against PFLlib",
+        "",
+        "rayfl and PFLlib's unmodified code (TsingZ0/PFLlib, commit below) on the same "
+        "partition (rayfl's, converted to PFLlib's dataset folder with the same normalised "
+        "tensors), one architecture for every client (rayfl's `cnn5`, CNN-5 of the pFedES "
+        "code; for FedPer, FedRep, FedROD PFLlib's main.py splits it into base and head), "
+        "plain SGD lr 0.01, batch 10, one local epoch, every client every round; accuracy = "
+        "correct / samples over every client's local test split of the personalized models "
+        "after each round (PFLlib's `evaluate` at the start of the next round, after the "
+        "server's models are sent; Ditto's `evaluate_personalized`; rayfl's deployed protocol "
+        "`personal/acc`). Model initialisations differ (PFLlib seeds torch with 0) and PFLlib "
+        "drops each epoch's last incomplete batch, so runs agree in distribution only; "
+        f"the target is {TOLERANCE} points at the same round.",
+        "",
+        f"- Setup: `{PFLLIB_COMMAND}`.",
+        "",
+    ]
+    out += seeds_summary(rows, "pfllib", "PFLlib")
+    for row in rows:
+        out += row_table(row, "pfllib", "PFLlib")
+    return out
+
+
+def sections(folder: Path) -> list[str]:
+    """Both peers' sections from `folder` (docs/results/peers), those whose rows exist."""
+    out: list[str] = []
+    if (folder / "htfllib.jsonl").is_file():
+        out += section(read_rows(folder / "htfllib.jsonl"))
+    if (folder / "htfllib_inits.jsonl").is_file():
+        out += inits_section(read_rows(folder / "htfllib_inits.jsonl"))
+    if (folder / "pfllib.jsonl").is_file():
+        out += pfllib_section(read_rows(folder / "pfllib.jsonl"))
+    return out
+
+
+def inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """HtFLlib's accuracy on one partition with other initial draws (a diagnosis)."""
+    if not rows:
+        return []
+    out = [
+        "### HtFLlib's initial draw (diagnosis)",
+        "",
+        "HtFLlib seeds torch with 0 before building every client (`clientbase.py:20`), so all "
+        "its rows above start from one draw of initial models. Here a copy of HtFLlib with that "
+        "seed set to S (the one-line change in `patch`; not a peer check) runs on the seed-0 "
+        f"partition of the rows above. Patch: `{rows[0]['patch']}`.",
+        "",
+        "| algorithm | HtFLlib init seed | accuracy (%) after rounds 1.. of training | command |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        accs = ", ".join(f"{100 * v:.1f}" for v in row["after_training_rounds"])
+        out.append(f"| {row['algo']} | {row['htfllib_init_seed']} | {accs} | `{row['command']}` |")
+    out.append("")
     return out
