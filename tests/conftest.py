@@ -56,10 +56,10 @@ def pytest_collection_modifyitems(config, items):
     # only where CUDA is. Decided here: a command line's own -m would replace addopts' -m.
     for marker in ("experiment", "gpu"):
         if marker not in (config.option.markexpr or ""):
-            keep = [item for item in items if not item.get_closest_marker(marker)]
-            if len(keep) < len(items):
-                config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-                items[:] = keep
+            drop = [item for item in items if item.get_closest_marker(marker)]
+            if drop:
+                config.hook.pytest_deselected(items=drop)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
     if any(item.get_closest_marker("gpu") for item in items):
         import torch
 
