@@ -184,6 +184,7 @@ def test_ratios_to_the_floor_of_the_same_worker_count_golden():
     assert tail(floor_label(2)) == ["25.0", "1.00"]
 
 
+@pytest.mark.slow
 def test_bench_runs_each_variant_as_a_process(tmp_path):
     path = bench_file(tmp_path, {"warmup_rounds": 0, "variants": {"serial": []}})
     text = run_bench(path, ["data.num_clients=3"], out=tmp_path / "out")
@@ -238,6 +239,7 @@ def test_each_variant_is_also_paired_with_the_ray_floor_golden():
     assert row.split()[-1] == "1.09"  # the Ray floor's own ratio to the compute floor
 
 
+@pytest.mark.slow
 def test_the_ray_floor_trains_the_floors_shares_in_ray_actors(tmp_path):
     # one private Ray in a child process (started and shut down there), as a run's
     section = {"warmup_rounds": 0, "ray_floor": True, "variants": {"serial": []}}
