@@ -73,6 +73,7 @@ def test_the_plotting_process_runs_at_the_lowest_priority_and_delivers(tmp_path)
     assert (tmp_path / "x.png").read_bytes()[:8] == PNG
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["dies", "none"])
 def test_a_run_gets_its_plots_when_the_plotting_process_dies_or_is_off(
     synthetic_raw, tmp_path, monkeypatch, how
