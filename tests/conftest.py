@@ -59,10 +59,10 @@ def pytest_collection_modifyitems(config, items):
     # only where CUDA is. Decided here: a command line's own -m would replace addopts' -m.
     for marker in ("experiment", "gpu"):
         if marker not in (config.option.markexpr or ""):
-            keep = [item for item in items if not item.get_closest_marker(marker)]
-            if len(keep) < len(items):
-                config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-                items[:] = keep
+            drop = [item for item in items if item.get_closest_marker(marker)]
+            if drop:
+                config.hook.pytest_deselected(items=drop)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
     if any(item.get_closest_marker("gpu") for item in items):
         import torch
 
@@ -78,9 +78,9 @@ def pytest_collection_modifyitems(config, items):
 # What makes a test slow: another Python interpreter (a CLI run, a script) or Ray's daemons.
 # Quick system tools that libraries call on import (ldconfig, uname, git) do not count.
 SLOW_PROGRAMS = ("python", "rayfl", "ray", "gcs_server", "raylet")
-# ... or a whole run through `rayfl.launch` (what `rayfl run`, compare, tune and `rayfl.run` do:
-# run directory, checkpoints, tracking), seen where `launch.simulate` hands over to the engine.
-RUN_ENTRY = ("rayfl.launch", "_simulate_locked")
+# ... or a whole run (what `rayfl run`, compare, tune and `rayfl.run` do), seen as a run
+# directory starting to be written; a run refused before it starts does not count.
+RUN_START = ("rayfl.engine.callbacks", "RunDirectory", "on_run_start")
 
 
 def _program(args) -> str:
@@ -105,15 +105,16 @@ def _processes_only_in_slow_tests(request, monkeypatch):
         real_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
-    module = importlib.import_module(RUN_ENTRY[0])
-    real_run = getattr(module, RUN_ENTRY[1], None)
-    if real_run is not None:
+    module, cls_name, method = RUN_START
+    cls = getattr(importlib.import_module(module), cls_name, None)
+    real_start = getattr(cls, method, None)
+    if real_start is not None:
 
-        def recording_run(*a, **kw):
-            started.append("an end-to-end run")
-            return real_run(*a, **kw)
+        def recording_start(self, *a, **kw):
+            started.append("a whole run")
+            return real_start(self, *a, **kw)
 
-        monkeypatch.setattr(module, RUN_ENTRY[1], recording_run)
+        monkeypatch.setattr(cls, method, recording_start)
     yield
     if started:
         pytest.fail(

@@ -66,6 +66,7 @@ def test_sigterm_stops_a_ray_run_like_ctrl_c_with_the_checkpoint_intact(tmp_path
     assert json.loads((out / "summary.json").read_text())["status"] == "KILLED"
 
 
+@pytest.mark.slow
 def test_unwritable_out_and_a_directory_as_config_are_one_line(tmp_path):
     config = write_config(tmp_path, {})
     blocker = tmp_path / "file"

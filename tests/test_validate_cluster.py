@@ -226,6 +226,7 @@ def test_a_joined_cluster_is_not_judged_by_this_machine(tmp_path, synthetic_raw,
     assert "warning" not in "\n".join(_placement_lines(capsys.readouterr().out))
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
     tmp_path, synthetic_raw, capsys, no_gpu
 ):

@@ -243,6 +243,7 @@ def test_update_distils_into_the_global_model_and_projections(projection):
 # ------------------------------------------------------------------------------------ 2-round runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "prefix"), [("fedfd", "fedfd"), ("feddf", "feddf")])
 def test_two_rounds_on_synthetic_data(name, prefix, synthetic_raw, tmp_path):
     raw = synthetic_raw

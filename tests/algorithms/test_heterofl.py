@@ -122,6 +122,7 @@ def test_scaler_divides_by_the_width_only_in_training():
     assert torch.equal(scaler.eval()(x), x)
 
 
+@pytest.mark.slow
 def test_two_rounds_on_synthetic_data(synthetic_raw, tmp_path):
     raw = synthetic_raw
     raw["algorithm"] = {"name": "heterofl", "global_arch": "resnet18_w2"}

@@ -27,6 +27,7 @@ def contract_final(name, overrides, tmp_path):
         return final(contract_raw(name, FALLBACK_ARCHS), overrides, tmp_path / "fallback")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_every_algorithm_reports_its_control(name, tmp_path):
     out = contract_final(name, [CONTROL], tmp_path)

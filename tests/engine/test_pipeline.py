@@ -57,6 +57,7 @@ def test_pipelined_evaluation_gives_the_same_rows_serial(synthetic_raw, tmp_path
     check(synthetic_raw, ["engine.rounds=3", "engine.executor=serial"], tmp_path)
 
 
+@pytest.mark.slow
 def test_scoring_in_place_leaves_a_server_trained_conv_model_as_it_was(synthetic_raw, tmp_path):
     # FedFD distils into its global model every round; scoring placed it channels-last when it
     # was scored in place (pipeline_eval=false), and the next rounds' sums ran in another order.
