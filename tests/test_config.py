@@ -109,6 +109,7 @@ def test_missing_file_is_a_user_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

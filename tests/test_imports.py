@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayfl"
 
@@ -145,6 +147,7 @@ def test_the_subpackages_have_no_import_cycles_either():
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     # One fresh interpreter; before each module, every rayfl module is forgotten so it is
     # imported first, as a user's `import rayfl.x` would (heavy third-party imports stay cached).
@@ -192,6 +195,7 @@ def _loaded_after_cli(args: list[str]) -> tuple[int, list[str], str]:
     return rc, heavy, proc.stdout
 
 
+@pytest.mark.slow
 def test_validate_and_ls_never_import_ray():
     files = [
         "pfedes_fmnist.yaml",

@@ -257,10 +257,11 @@ def test_resume_takes_plugins_from_the_command_line_only(tmp_path):
     assert pq.read_table(tmp_path / "r" / "metrics.parquet").num_rows == 2
 
     # a run directory is untrusted: a plugins key written into its config.yaml is never imported
+    # (the gate refuses the changed config.yaml before anything reads it)
     marker = tmp_path / "imported_by"
     config = tmp_path / "r" / "config.yaml"
     raw = yaml.safe_load(config.read_text())
     config.write_text(yaml.safe_dump({**raw, "plugins": [str(tmp_path / "lib" / "my_algos.py")]}))
     proc = rayfl(["run", "--resume", "r", "engine.rounds=3", "--no-progress"], tmp_path, marker)
-    assert proc.returncode == 2 and "names plugins to import" in proc.stderr
+    assert proc.returncode == 2 and "not written by your rayfl" in proc.stderr
     assert list(marker.iterdir()) == []

@@ -31,6 +31,9 @@ GARBAGE = bytes(range(256)) * 4 + b"\x00\xff\xfe: [\n"
 
 Build = Callable[[Path], list[str]]
 
+# Some inputs are refused only once a run has started (its data or models load).
+pytestmark = pytest.mark.slow
+
 
 def put(path: Path, content: str | bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)

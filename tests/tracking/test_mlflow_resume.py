@@ -128,6 +128,7 @@ def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
         assert steps == [1, 2, 3, 4], key
 
 
+@pytest.mark.slow
 def test_a_failed_run_ends_its_mlflow_run_failed_with_the_error(tmp_path):
     import json
 
