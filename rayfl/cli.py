@@ -512,7 +512,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             f"see rayfl {args.command} --help"
         )
     if extra:
-        setattr(args, target, [*getattr(args, target), *extra])
+        vars(args)[target] = [*vars(args)[target], *extra]
     return args
 
 

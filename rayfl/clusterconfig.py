@@ -34,8 +34,8 @@ from typing import Any
 
 import yaml
 
-from rayfl.config import yaml_load
 from rayfl.errors import ConfigError, suggest
+from rayfl.yamlfile import yaml_load
 
 logger = logging.getLogger(__name__)
 

@@ -236,10 +236,15 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
 
 
+BIG_INTS = {"privacy.dp.noise_seed"}  # a 128-bit secret drawn from the OS (`rayfl.privacy.dp`)
+
+
 def _number(value: float, key: str) -> Any:
     """Every number in the schema is finite and fits 64 bits (and is >= 0, see `from_dict`)."""
     if not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number (got {value!r})")
+    if key in BIG_INTS and isinstance(value, int) and value < 2**128:
+        return value
     if abs(value) >= 2**63:
         raise ConfigError(f"{key}: must be below 2^63 (got {float(value):g})")
     return value

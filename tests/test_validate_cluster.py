@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import yaml
 
 from rayfl import resources
@@ -38,6 +39,7 @@ def no_ray(monkeypatch) -> list[str]:
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(startup, "init_ray", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `rayfl` process
     return starts
 
 
@@ -238,10 +240,8 @@ def test_a_resume_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
     raw["engine"].update({"checkpoint_every": 1, "rounds": 2})
     run_dir = tmp_path / "run"
     simulate(build_config(raw), run_dir, progress=False)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    # placement only: the checkpoint still matches
-    config["engine"].update(executor="ray", worker_resources={"num_cpus": 1, "num_gpus": 0.5})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    # placement only, from the command line: the checkpoint still matches
+    placement = ["engine.executor=ray", "engine.worker_resources.num_gpus=0.5"]
     starts: list[str] = []
 
     def refuse(*args: object, **kwargs: object) -> Any:
@@ -250,7 +250,8 @@ def test_a_resume_refuses_a_local_gpu_ask_without_a_gpu_before_ray_starts(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(startup, "init_ray", refuse)
-        line = _refused(capsys, ["run", "--resume", str(run_dir), "--no-progress"])
+        patch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `rayfl` process
+        line = _refused(capsys, ["run", "--resume", str(run_dir), *placement, "--no-progress"])
     assert "this machine has no GPU" in line and not starts
 
 

@@ -323,6 +323,9 @@ def ray_floor_main(config_path: str, out: str, workers: int) -> None:
     cfg = load_config(config_path)
     e = cfg.engine
     init_ray_for_run(e, spill_dir(out))
+    # Ray's workers do not have this script's folder on their path (rayfl starts Ray with an
+    # empty working_dir), so the actor's class travels by value, not as `bench_floors.FloorShare`
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         res = e.worker_resources
         actor: Any = ray.remote(FloorShare).options(num_cpus=res.num_cpus, num_gpus=res.num_gpus)

@@ -182,6 +182,7 @@ def test_a_failing_close_is_still_raised_after_the_callbacks(synthetic_raw, monk
     assert ended == ["FINISHED"]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_sums_the_wall_time_of_its_pieces(synthetic_raw, tmp_path):
     def piece(rounds, resume):
         cfg = build_config(synthetic_raw, [f"engine.rounds={rounds}"])
@@ -201,6 +202,7 @@ def test_a_resumed_run_sums_the_wall_time_of_its_pieces(synthetic_raw, tmp_path)
     assert "error" not in summary
 
 
+@pytest.mark.slow
 def test_a_failed_run_records_its_error_in_summary_json(synthetic_raw, tmp_path):
     from rayfl.engine.callbacks import Callback
 
