@@ -344,7 +344,26 @@ def domains_section(data: Mapping[str, Any]) -> list[str]:
         row.append(pm([m["personal/acc_worst_domain"] for m in rs]))
         row += [pm([m[DOMAIN_KEY + d] for m in rs if DOMAIN_KEY + d in m]) for d in domains]
         body.append(row)
-    return out + md_table(header, body)
+    out += md_table(header, body)
+    by_label: dict[str, dict[int, float]] = {}
+    for r in runs:
+        by_label.setdefault(r["label"], {})[r["seed"]] = r["metrics"]["personal/acc"]
+    labels = list(by_label)
+    baselines = [b for b in labels if not b.startswith("pfedes")]
+    best, rows = paired_rows(by_label, baselines)
+    if best is not None:
+        out += [
+            f"Paired Δ of personal acc to the best baseline ({best}), same partition per seed:",
+            "",
+        ]
+        out += md_table(["method", "paired Δ (seeds)", "per seed"], rows)
+    out += [
+        "Protocol: every client scored in the final round with the model it would deploy, "
+        "unweighted mean over clients; the domain columns average the clients of each domain. "
+        "No run here has the no-federation control (`eval.federation_control`).",
+        "",
+    ]
+    return out
 
 
 # -- sections ----------------------------------------------------------------------------------
