@@ -662,8 +662,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The `rayfl` command."""
-    sys.exit(main())
+    """The `rayfl` command. A reader that closes the pipe early (`rayfl ls | head`) ends it
+    quietly, as a Unix filter ends: stdout goes to /dev/null so that the exit's flush is silent."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(code)
 
 
 def _terminate(signum: int, frame: Any) -> None:

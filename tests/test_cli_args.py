@@ -64,3 +64,20 @@ def test_a_bad_command_line_is_one_line_and_exit_2(argv, words, capsys):
     assert captured.out == ""
     (line,) = captured.err.splitlines()
     assert line.startswith("rayfl: error: ") and words in line and "--help" in line
+
+
+@pytest.mark.slow
+def test_a_reader_that_closes_the_pipe_early_ends_rayfl_quietly():
+    # `rayfl ls | head -1`: the output is flushed into a pipe nobody reads any more
+    import subprocess
+    import sys
+
+    code = "import sys; sys.argv = ['rayfl', 'ls']; from rayfl.cli import entry; entry()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
