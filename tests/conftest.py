@@ -147,3 +147,13 @@ def synthetic_raw():
     import copy
 
     return copy.deepcopy(SYNTHETIC)
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file beside the folder a test plants into; no rayfl command may read or change it."""
+    from tests.security.plants import VICTIM
+
+    path = tmp_path / "victim.json"
+    path.write_bytes(VICTIM)
+    return path

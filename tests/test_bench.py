@@ -18,9 +18,9 @@ import yaml
 from rayfl import gate
 from rayfl.config import build_config
 from rayfl.errors import ConfigError, UserError
-from rayfl.gate import JSON_LIMIT
 from rayfl.sampling import sample_clients
 from tests.conftest import SYNTHETIC
+from tests.security.plants import PLANTS, PROBLEM, VICTIM, one_line
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the scripts import each other as `python3 bench.py` does
@@ -316,42 +316,6 @@ def test_rayfl_validates_a_benchmark_as_its_base_run_and_run_names_the_driver(tm
 
 # ------------------------------------------------------------- the folder, as untrusted input
 
-VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
-
-
-def _oversized(path: Path, victim: Path) -> None:
-    with path.open("wb") as f:  # sparse: costs no disk
-        f.truncate(JSON_LIMIT + 1)
-
-
-PLANTS = {
-    "symlink": lambda path, victim: path.symlink_to(victim),
-    "fifo": lambda path, victim: os.mkfifo(path),
-    "oversized": _oversized,
-    # nested deep, and not written by rayfl
-    "planted": lambda path, victim: path.write_text("[" * 100_000 + "]" * 100_000),
-}
-PROBLEM = {
-    "symlink": "symbolic link",
-    "fifo": "FIFO",
-    "oversized": "over the limit",
-    "planted": "not written by your rayfl",
-}
-
-
-@pytest.fixture
-def victim(tmp_path) -> Path:
-    path = tmp_path / "victim.json"
-    path.write_bytes(VICTIM)
-    return path
-
-
-def _one_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    assert len(lines) == 1, text
-    assert "Traceback" not in text
-    return lines[0]
-
 
 class _FinishedChild:
     """A child process that already exited 0 (the benchmark's children are not the point)."""
@@ -387,7 +351,7 @@ def test_bench_refuses_an_unsafe_floor_report_in_one_line(
     PLANTS[kind](out / name, victim)
     with pytest.raises(UserError) as info:
         run(synthetic_raw, (), 1, out)
-    line = _one_line(str(info.value))
+    line = one_line(str(info.value))
     assert name in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
 
@@ -401,7 +365,7 @@ def test_bench_refuses_an_unsafe_variant_report_in_one_line(
     PLANTS[kind](out / "run" / "bench.json", victim)
     with pytest.raises(UserError) as info:
         bench.run_variant(synthetic_raw, [], out)
-    line = _one_line(str(info.value))
+    line = one_line(str(info.value))
     assert "bench.json" in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
 
@@ -413,7 +377,7 @@ def test_bench_says_in_one_line_when_a_variant_wrote_no_report(
     (out / "run").mkdir(parents=True)  # the child exited 0 but wrote no bench.json
     with pytest.raises(UserError) as info:
         bench.run_variant(synthetic_raw, [], out)
-    line = _one_line(str(info.value))
+    line = one_line(str(info.value))
     assert "bench.json" in line and "without writing its report" in line
 
 

@@ -8,63 +8,12 @@ folder changes.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rayfl import cli, gate, privacy_report
-from rayfl.gate import JSON_LIMIT
-
-VICTIM = b'{"precious": "data that no rayfl command may read or change"}\n'
-
-
-def _symlink(path: Path, victim: Path) -> None:
-    path.symlink_to(victim)
-
-
-def _fifo(path: Path, victim: Path) -> None:
-    os.mkfifo(path)
-
-
-def _oversized(path: Path, victim: Path) -> None:
-    with path.open("wb") as f:  # sparse: costs no disk
-        f.truncate(JSON_LIMIT + 1)
-
-
-def _planted(path: Path, victim: Path) -> None:
-    path.write_text("[" * 100_000 + "]" * 100_000)  # nested deep, and not written by rayfl
-
-
-PLANTS: dict[str, Callable[[Path, Path], None]] = {
-    "symlink": _symlink,
-    "fifo": _fifo,
-    "oversized": _oversized,
-    "planted": _planted,
-}
-PROBLEM = {
-    "symlink": "symbolic link",
-    "fifo": "FIFO",
-    "oversized": "over the limit",
-    "planted": "not written by your rayfl",
-}
-
-
-@pytest.fixture
-def victim(tmp_path) -> Path:
-    path = tmp_path / "victim.json"
-    path.write_bytes(VICTIM)
-    return path
-
-
-def _one_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    assert len(lines) == 1, text
-    assert "Traceback" not in text
-    return lines[0]
-
+from tests.security.plants import PLANTS, PROBLEM, VICTIM, one_line
 
 # ----------------------------------------------------------------------------- privacy report
 
@@ -76,7 +25,7 @@ def test_privacy_report_refuses_an_unsafe_summary_in_one_line(kind, tmp_path, vi
     PLANTS[kind](trial / "summary.json", victim)
     plot = tmp_path / "plot.png"
     code = privacy_report.main([str(tmp_path / "trials"), "--out", str(plot)])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2
     assert "summary.json" in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM and not plot.exists()
@@ -90,7 +39,7 @@ def test_privacy_report_refuses_a_trial_folder_that_is_a_symlink(tmp_path, capsy
     (tmp_path / "trials" / "t1").symlink_to(elsewhere)
     plot = tmp_path / "plot.png"
     code = privacy_report.main([str(tmp_path / "trials"), "--out", str(plot)])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and "t1" in line and "symbolic link" in line
     assert not plot.exists()
 
@@ -102,7 +51,7 @@ def test_privacy_report_refuses_a_summary_without_its_fields_in_one_line(tmp_pat
         trial / "summary.json", json.dumps({"rounds": 3, "config": {}, "final": {}}).encode()
     )
     code = privacy_report.main([str(tmp_path / "trials"), "--out", str(tmp_path / "p.png")])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and "not a summary rayfl wrote" in line
 
 
@@ -131,7 +80,7 @@ def test_tune_refuses_an_unsafe_sweep_state_before_ray_starts(
     out.mkdir()
     PLANTS[kind](out / "sweep.json", victim)
     code = cli.main(["tune", str(sweep), "--out", str(out)])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2
     assert "sweep.json" in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
