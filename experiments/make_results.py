@@ -164,9 +164,15 @@ HEADLINE_KEYS = (
 )
 
 
-def collect_headline(run_dirs: Sequence[Path], description: Mapping[str, Any]) -> dict[str, Any]:
-    """The main job's finished seeds: each run directory's seed, rounds and final metrics."""
-    old = json.loads(HEADLINE.read_text()) if HEADLINE.is_file() else {}
+CONTROLS = RESULTS / "controls"  # other settings run with both controls, one file each
+
+
+def collect_headline(
+    run_dirs: Sequence[Path], description: Mapping[str, Any], into: Path = HEADLINE
+) -> dict[str, Any]:
+    """A controlled run's finished seeds (the main job's, or another config run with both
+    controls): each run directory's seed, rounds and final metrics, merged into `into`."""
+    old = json.loads(into.read_text()) if into.is_file() else {}
     runs = {r["seed"]: r for r in old.get("runs", [])}
     for run_dir in run_dirs:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -535,8 +541,9 @@ def page() -> str:
     privacy = RESULTS / "privacy" / "section.md"
     if privacy.is_file():  # headed by the introduction
         out += [privacy.read_text().rstrip("\n"), ""]
-    if HEADLINE.is_file():
-        out += headline_section(json.loads(HEADLINE.read_text()))
+    for path in [HEADLINE, *sorted(CONTROLS.glob("*.json"))]:
+        if path.is_file():
+            out += headline_section(json.loads(path.read_text()))
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
     if FEATURE_SHIFT.is_file():
@@ -564,7 +571,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="regenerate docs/results.md from docs/results/")
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md is stale")
     ap.add_argument("--collect", type=Path, help="a running or finished suite's --out folder")
-    ap.add_argument("--into", type=Path, help="with --collect: the docs/results/full/*.json")
+    ap.add_argument(
+        "--into",
+        type=Path,
+        help="with --collect: the docs/results/full/*.json; with --headline: "
+        "a docs/results/controls/*.json instead of the main job's headline.json",
+    )
     ap.add_argument(
         "--headline", type=Path, nargs="+", help="the main job's run directories (one per seed)"
     )
@@ -588,8 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.headline:
         fields = dict(s.split("=", 1) for s in args.set)
-        data = collect_headline(args.headline, fields)
-        HEADLINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        into = args.into or HEADLINE
+        data = collect_headline(args.headline, fields, into)
+        into.parent.mkdir(parents=True, exist_ok=True)
+        into.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return 0
     if args.collect:
         if args.into is None:
