@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from rayfl import cli, gate
 from rayfl.config import build_config
 from rayfl.errors import UserError
 from tests.conftest import SYNTHETIC
+from tests.security.plants import one_line
 
 VICTIM = b"precious data that no rayfl command may change\n"
 
@@ -347,3 +349,66 @@ def test_sweep_report_links_no_trial_outside_the_folder(tmp_path):
     page = write_report(out).read_text()
     assert "href" not in page.split("<h2>Trials</h2>")[1].split("</table>")[0]
     assert "<b>max</b>" not in page
+
+
+# ------------------------------------------------------------------------------ bench folders
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "experiments" / "benchmarks"
+
+
+@pytest.fixture
+def bench(tmp_path, monkeypatch):
+    """The benchmark's driver (experiments/benchmarks/bench.py) on a one-variant benchmark, its
+    children faked: a variant's child records its arguments and, as a run does first, writes
+    summary.json into the run folder it was given; it writes no bench.json."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench
+    import bench_floors
+
+    started: list[list[str]] = []
+
+    class Child:
+        def __init__(self, args, **kwargs) -> None:
+            started.append(list(args))
+            run_dir = Path(args[-1])
+            run_dir.mkdir(exist_ok=True)
+            (run_dir / "summary.json").write_text('{"status": "RUNNING"}')
+            self.pid, self.returncode = os.getpid(), 0
+
+        def communicate(self):
+            return "", None
+
+    fake = types.SimpleNamespace(Popen=Child, PIPE=-1, STDOUT=-2)
+    monkeypatch.setattr(bench_floors, "subprocess", fake)
+    raw = {**SYNTHETIC, "bench": {"floor": False, "variants": {"serial": []}}}
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(raw))
+    return types.SimpleNamespace(main=bench.main, started=started)
+
+
+@pytest.mark.parametrize("link", ["serial", "serial/run"])
+def test_bench_refuses_a_symlinked_variant_folder_before_anything_runs(
+    tmp_path, capsys, bench, link
+):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_bytes(VICTIM)
+    out = tmp_path / "out"
+    (out / link).parent.mkdir(parents=True, exist_ok=True)
+    (out / link).symlink_to(victim)
+    code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
+    line = one_line(capsys.readouterr().err)
+    assert code == 2 and "symbolic link" in line
+    assert bench.started == []  # no variant ran
+    assert os.listdir(victim) == ["keep"] and (victim / "keep").read_bytes() == VICTIM
+
+
+def test_bench_never_reports_a_results_file_it_did_not_write(tmp_path, capsys, bench):
+    out = tmp_path / "out"
+    (out / "serial" / "run").mkdir(parents=True)
+    rounds = [{"time/round_s": 0.001, "personal/acc": 0.987654}]
+    planted = {"rounds": rounds, "store_peak_mb": 0.0, "spilled_mb": 0.0}
+    (out / "serial" / "run" / "bench.json").write_text(json.dumps(planted))
+    code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and "not written by your rayfl" in one_line(captured.err)
+    assert "0.988" not in captured.out and not (out / "report.txt").exists()
