@@ -23,6 +23,10 @@ there) and the bytes spilled to disk (the run's spill folder).
 
 The compute floor and the Ray floor a variant is compared with: `bench_floors.py`. Nothing
 here asserts speed: it measures and prints.
+
+The benchmark's folder (`--out`, default a new temporary one) is held through rayfl.gate like a
+run's: its `[rep<k>/]<label>[/run]` folders are made without following a link before anything
+runs, and a child's report is read back only if this user's rayfl wrote it (docs/security.md).
 """
 
 from __future__ import annotations

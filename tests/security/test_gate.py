@@ -396,10 +396,10 @@ def test_bench_refuses_a_symlinked_variant_folder_before_anything_runs(
     (out / link).parent.mkdir(parents=True, exist_ok=True)
     (out / link).symlink_to(victim)
     code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
+    assert os.listdir(victim) == ["keep"] and (victim / "keep").read_bytes() == VICTIM
+    assert bench.started == []  # no variant ran
     line = one_line(capsys.readouterr().err)
     assert code == 2 and "symbolic link" in line
-    assert bench.started == []  # no variant ran
-    assert os.listdir(victim) == ["keep"] and (victim / "keep").read_bytes() == VICTIM
 
 
 def test_bench_never_reports_a_results_file_it_did_not_write(tmp_path, capsys, bench):
@@ -410,5 +410,5 @@ def test_bench_never_reports_a_results_file_it_did_not_write(tmp_path, capsys, b
     (out / "serial" / "run" / "bench.json").write_text(json.dumps(planted))
     code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
     captured = capsys.readouterr()
-    assert code == 2 and "not written by your rayfl" in one_line(captured.err)
     assert "0.988" not in captured.out and not (out / "report.txt").exists()
+    assert code == 2 and "not written by your rayfl" in one_line(captured.err)
