@@ -135,6 +135,25 @@ def test_a_planted_mlflow_run_id_is_never_used(world, capsys, uri, monkeypatch):
     assert not store.exists() and not Path("mlflow.db").exists()
 
 
+@pytest.mark.slow  # builds an MLflow store
+def test_the_id_of_a_real_mlflow_run_planted_without_a_uri_is_never_logged_into(
+    world, capsys, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _, _ = world
+    uri = f"sqlite:///{run_dir.parent.parent / 'mine.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    victim = client.create_run(client.create_experiment("theirs")).info.run_id
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": victim}))
+    capsys.readouterr()  # MLflow's own lines, creating the store
+    code = cli.main(["run", "--resume", str(run_dir), "tracking.backend=mlflow"])
+    run = client.get_run(victim)
+    assert run.data.metrics == {} and run.info.status == "RUNNING"  # the victim run untouched
+    assert code == 2 and "mlflow_run.json" in one_line(capsys.readouterr().err)
+
+
 def test_ls_runs_changes_no_planted_running_run_and_creates_no_store(world, capsys):
     run_dir, _, _ = world
     planted = run_dir.parent / "planted"
