@@ -306,6 +306,33 @@ def test_a_planted_suite_mlflow_run_is_never_reopened(tmp_path, capsys, monkeypa
     assert not (tmp_path / "m.db").exists()
 
 
+@pytest.mark.slow  # builds an MLflow store, and without the gate runs the suite
+def test_a_real_mlflow_run_planted_as_the_suites_parent_is_never_reopened(
+    tmp_path, capsys, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("theirs")
+    victim = client.create_run(experiment).info.run_id
+    child = client.create_run(experiment, tags={"mlflow.parentRunId": victim}).info.run_id
+    base = {**SYNTHETIC, "tracking": {"backend": "mlflow", "uri": uri}}
+    suite = {"suite": "s", "base": base, "algorithms": [{"name": "local"}], "seeds": [0]}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlflow_run.json").write_text(json.dumps({"run_id": victim, "tracking_uri": uri}))
+    capsys.readouterr()  # MLflow's own lines, creating the store
+    code = cli.main(["compare", "suite.yaml", "--out", str(out)])
+    assert client.get_run(child).info.status == "RUNNING"  # the victim's child not killed
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{victim}'")
+    assert [r.info.run_id for r in children] == [child]  # and no run added under it
+    assert client.get_run(victim).info.status == "RUNNING"
+    assert code == 2 and "mlflow_run.json" in one_line(capsys.readouterr().err)
+
+
 # ------------------------------------------------------------------------------ sweep folders
 
 
