@@ -349,8 +349,8 @@ def test_bench_refuses_an_unsafe_floor_report_in_one_line(
     out = tmp_path / floor
     out.mkdir()
     PLANTS[kind](out / name, victim)
-    with pytest.raises(UserError) as info:
-        run(synthetic_raw, (), 1, out)
+    with pytest.raises(UserError) as info, gate.Folder(out) as folder:
+        run(synthetic_raw, (), 1, folder)
     line = one_line(str(info.value))
     assert name in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
@@ -363,8 +363,8 @@ def test_bench_refuses_an_unsafe_variant_report_in_one_line(
     out = tmp_path / "variant"
     (out / "run").mkdir(parents=True)
     PLANTS[kind](out / "run" / "bench.json", victim)
-    with pytest.raises(UserError) as info:
-        bench.run_variant(synthetic_raw, [], out)
+    with pytest.raises(UserError) as info, gate.Folder(out) as folder:
+        bench.run_variant(synthetic_raw, [], folder)
     line = one_line(str(info.value))
     assert "bench.json" in line and PROBLEM[kind] in line
     assert victim.read_bytes() == VICTIM
@@ -375,8 +375,8 @@ def test_bench_says_in_one_line_when_a_variant_wrote_no_report(
 ):
     out = tmp_path / "variant"
     (out / "run").mkdir(parents=True)  # the child exited 0 but wrote no bench.json
-    with pytest.raises(UserError) as info:
-        bench.run_variant(synthetic_raw, [], out)
+    with pytest.raises(UserError) as info, gate.Folder(out) as folder:
+        bench.run_variant(synthetic_raw, [], folder)
     line = one_line(str(info.value))
     assert "bench.json" in line and "without writing its report" in line
 
@@ -389,7 +389,8 @@ def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
     (out / "bench_config.yaml").symlink_to(victim)
     report = {"rounds": [], "store_peak_mb": 0.0, "spilled_mb": 0.0, "status": "FINISHED"}
     gate.write(out / "run" / "bench.json", json.dumps(report).encode())  # as its child writes it
-    report = bench.run_variant(synthetic_raw, [], out)
+    with gate.Folder(out) as folder:
+        report = bench.run_variant(synthetic_raw, [], folder)
     assert report["clients"] == synthetic_raw["data"]["num_clients"]
     assert victim.read_bytes() == VICTIM
     assert not (out / "bench_config.yaml").is_symlink()

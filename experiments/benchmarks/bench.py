@@ -23,6 +23,10 @@ there) and the bytes spilled to disk (the run's spill folder).
 
 The compute floor and the Ray floor a variant is compared with: `bench_floors.py`. Nothing
 here asserts speed: it measures and prints.
+
+The benchmark's folder (`--out`, default a new temporary one) is held through rayfl.gate like a
+run's: its `[rep<k>/]<label>[/run]` folders are made without following a link before anything
+runs, and a child's report is read back only if this user's rayfl wrote it (docs/security.md).
 """
 
 from __future__ import annotations
@@ -56,13 +60,15 @@ from bench_floors import (  # this script's folder is on sys.path
     write_config,
 )
 
+from rayfl import gate
 from rayfl.config import build_config, load_config, read_yaml
 from rayfl.engine.hooks import Callback
 from rayfl.engine.startup import spill_dir
 from rayfl.errors import ConfigError, UserError
-from rayfl.gate import write as write_atomic
 from rayfl.resources import local_cpus, worker_capacity
 from rayfl.schema import RunConfig, clients_per_round
+
+RUN = "run"  # a variant's run folder, inside the variant's own
 
 
 @dataclass(frozen=True)
@@ -162,13 +168,14 @@ def shared_memory_used(path: str = "/dev/shm") -> float:
     return float(usage.used)
 
 
-def run_variant(raw: dict[str, Any], overrides: list[str], out: Path) -> dict[str, Any]:
-    """Run one variant in its own process; its wall time, memory and the run's own numbers."""
+def run_variant(raw: dict[str, Any], overrides: list[str], out: gate.Folder) -> dict[str, Any]:
+    """Run one variant in its own process into `out/run`; its wall time, memory and the run's
+    own numbers."""
     cfg = build_config(raw, [*overrides, *RUN_OVERRIDES])
     config_path = write_config(cfg, out)
-    run_dir = out / "run"
-    wall_s, mem = run_child(["--variant", str(config_path), str(run_dir)], "variant")
-    report = read_report(run_dir / "bench.json", ("rounds", "store_peak_mb", "spilled_mb"))
+    with out.sub(RUN, create=True) as run:  # a link planted there is refused, not followed
+        wall_s, mem = run_child(["--variant", str(config_path), str(run.path)], "variant")
+        report = read_report(run, "bench.json", ("rounds", "store_peak_mb", "spilled_mb"))
     report.update(
         wall_s=wall_s,
         workers=planned_workers(cfg),
@@ -195,7 +202,8 @@ def _variant_main(config_path: str, run_dir: str) -> None:
         "spilled_mb": probe.spilled_bytes / 2**20,
         "status": result.status,
     }
-    write_atomic(Path(run_dir) / "bench.json", json.dumps(report, default=float).encode())
+    with gate.Folder(run_dir) as folder:
+        folder.write("bench.json", json.dumps(report, default=float).encode())
 
 
 # ----------------------------------------------------------------------------- the report
@@ -325,31 +333,57 @@ def run_bench(
     bench = load_bench(path, overrides)
     if variants:
         bench = only(bench, variants)
-    root = Path(out) if out else Path(tempfile.mkdtemp(prefix="rayfl-bench-"))
-    reps: list[dict[str, dict[str, Any]]] = []
-    for k in range(1, repeat + 1):
-        where = root if repeat == 1 else root / f"rep{k}"
-        tag = "" if repeat == 1 else f" (repetition {k} of {repeat})"
-        results: dict[str, dict[str, Any]] = {}
-        for label, run in _runs(bench):
-            report = run(where / label)
-            results[label] = summarize(report, bench.warmup_rounds)
-            print(
-                f"  ... {label}: {report['wall_s']:.1f} s end to end{tag}",
-                file=sys.stderr,
-                flush=True,
-            )
-        reps.append(results)
-    text = format_report(Path(path).name, bench, median_repetition(reps))
-    write_atomic(root / "report.txt", (text + "\n").encode())
-    return text + f"\n  runs and report: {root}"
+    runs = _runs(bench)
+    with gate.Folder(out or tempfile.mkdtemp(prefix="rayfl-bench-"), create=True) as root:
+        folders = _folders(root, [label for label, _ in runs], bench.variants, repeat)
+        try:
+            reps: list[dict[str, dict[str, Any]]] = []
+            for k in range(1, repeat + 1):
+                tag = "" if repeat == 1 else f" (repetition {k} of {repeat})"
+                results: dict[str, dict[str, Any]] = {}
+                for label, run in runs:
+                    report = run(folders[k, label])
+                    results[label] = summarize(report, bench.warmup_rounds)
+                    print(
+                        f"  ... {label}: {report['wall_s']:.1f} s end to end{tag}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                reps.append(results)
+        finally:
+            for folder in folders.values():
+                folder.close()
+        text = format_report(Path(path).name, bench, median_repetition(reps))
+        root.write("report.txt", (text + "\n").encode())
+    return text + f"\n  runs and report: {root.path}"
 
 
-def _runs(bench: Bench) -> list[tuple[str, Callable[[Path], dict[str, Any]]]]:
+def _folders(
+    root: gate.Folder, labels: list[str], variants: dict[str, list[str]], repeat: int
+) -> dict[tuple[int, str], gate.Folder]:
+    """Every folder the benchmark writes into, `[rep<k>/]<label>` (and a variant's `run`),
+    made through the gate before anything runs: a symlink planted on the way is refused in one
+    line, never followed, and no measurement has started."""
+    folders: dict[tuple[int, str], gate.Folder] = {}
+    try:
+        for k in range(1, repeat + 1):
+            for label in labels:
+                folder = root.sub(label if repeat == 1 else f"rep{k}/{label}", create=True)
+                folders[k, label] = folder
+                if label in variants:
+                    folder.sub(RUN, create=True).close()
+    except BaseException:
+        for folder in folders.values():
+            folder.close()
+        raise
+    return folders
+
+
+def _runs(bench: Bench) -> list[tuple[str, Callable[[gate.Folder], dict[str, Any]]]]:
     """What one repetition runs, in order: the floors, the Ray floors, the variants; each as
     its label and the call that runs it into a folder."""
     base, overrides = bench.base, bench.overrides
-    runs: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+    runs: list[tuple[str, Callable[[gate.Folder], dict[str, Any]]]] = [
         (floor_label(w), partial(run_floor, base, overrides, w)) for w in bench.floors()
     ]
     if bench.ray_floor:

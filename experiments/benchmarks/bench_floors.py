@@ -36,11 +36,10 @@ from typing import Any
 import psutil
 import yaml
 
+from rayfl import gate
 from rayfl.config import build_config
 from rayfl.engine.startup import init_ray_for_run, spill_dir
 from rayfl.errors import UserError
-from rayfl.gate import read_json
-from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, clients_per_round, to_dict
 
 BENCH = Path(__file__).resolve().with_name("bench.py")  # the children run this script
@@ -112,30 +111,31 @@ def folder_bytes(folder: Path) -> float:
     return float(total)
 
 
-def write_config(cfg: RunConfig, out: Path) -> Path:
-    """`out/bench_config.yaml`, the config a child process loads (written atomically: a
-    symlink planted there is replaced, not written through)."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench_config.yaml"
-    write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
-    return path
+def write_config(cfg: RunConfig, out: gate.Folder) -> Path:
+    """`bench_config.yaml` in `out`, the config a child process loads (written through the gate:
+    a symlink planted there is replaced, not written through)."""
+    return out.write("bench_config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
 
 
-def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    """A child's report (`share<k>.json`, `bench.json`) read back from the benchmark folder
-    through rayfl.gate: a symlink, FIFO, oversized or deeply nested file, or one without
-    `keys`, is refused in one line (the folder may be shared, docs/security.md).
+def read_report(out: gate.Folder, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A child's report (`share<k>.json`, `bench.json`, `rayfloor.json`) read back from the
+    benchmark folder `out` through rayfl.gate: a symlink, FIFO, oversized or deeply nested file,
+    one this user's rayfl did not write, or one without `keys`, is refused in one line (the
+    folder may be shared, docs/security.md).
 
     Raises:
         UserError: the file is unsafe or not a report a child wrote.
     """
+    path = out.path / name
     try:
-        report = read_json(path)
+        report = json.loads(out.read(name, gate.JSON_LIMIT))
     except FileNotFoundError:
         raise UserError(
             f"{path}: the benchmark's child exited without writing its report; run the "
             "variant's config with `rayfl run` to see why"
         ) from None
+    except (ValueError, RecursionError):
+        raise gate.refuse(path, "is not valid JSON") from None
     if not isinstance(report, dict) or not all(k in report for k in keys):
         raise UserError(
             f"{path}: not a report the benchmark's child wrote (it needs {', '.join(keys)}); "
@@ -145,50 +145,51 @@ def read_report(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def run_floor(
-    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: Path
+    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: gate.Folder
 ) -> dict[str, Any]:
     """The compute floor of `workers` workers: that many single-thread processes, started
     together, each training its share of the run's clients (`floor_shares`); end to end is from
     their start to the last exit."""
     cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
     config_path = write_config(cfg, out)
-    reports = [out / f"share{k}.json" for k in range(workers)]
+    reports = [f"share{k}.json" for k in range(workers)]
     start = time.perf_counter()
     children = [
         subprocess.Popen(
-            [sys.executable, str(BENCH), "--floor", str(config_path), str(path)]
+            [sys.executable, str(BENCH), "--floor", str(config_path), str(out.path / name)]
             + [str(k), str(workers)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for k, path in enumerate(reports)
+        for k, name in enumerate(reports)
     ]
     with TreeMemory(os.getpid()) as mem:  # the floor's processes are this one's children
         outputs = [child.communicate()[0] for child in children]
     wall_s = time.perf_counter() - start
     for child, output in zip(children, outputs):
         check_child(child.returncode, output, "floor")
-    shares = [read_report(path, SHARE_KEYS) for path in reports]
+    shares = [read_report(out, name, SHARE_KEYS) for name in reports]
     return _floor_report(
         cfg, workers, wall_s, shares, memory_bytes=(math.nan, math.nan, mem.others_peak)
     )
 
 
 def run_ray_floor(
-    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: Path
+    raw: dict[str, Any], overrides: tuple[str, ...], workers: int, out: gate.Folder
 ) -> dict[str, Any]:
     """The Ray floor of `workers` workers (the module's docstring): the floor's shares in Ray
     actors, in one driver process, end to end from its start to its exit."""
     cfg = build_config(raw, [*overrides, *FLOOR_OVERRIDES, *RUN_OVERRIDES])
     config_path = write_config(cfg, out)
-    wall_s, mem = run_child(["--ray-floor", str(config_path), str(out), str(workers)], "Ray floor")
-    shares = read_report(out / "rayfloor.json", ("shares",))["shares"]
+    args = ["--ray-floor", str(config_path), str(out.path), str(workers)]
+    wall_s, mem = run_child(args, "Ray floor")
+    shares = read_report(out, "rayfloor.json", ("shares",))["shares"]
     if not isinstance(shares, list) or len(shares) != workers:
-        raise UserError(f"{out / 'rayfloor.json'}: not a report the Ray floor wrote")
+        raise UserError(f"{out.path / 'rayfloor.json'}: not a report the Ray floor wrote")
     for share in shares:
         if not isinstance(share, dict) or not all(k in share for k in SHARE_KEYS):
-            raise UserError(f"{out / 'rayfloor.json'}: not a report the Ray floor wrote")
+            raise UserError(f"{out.path / 'rayfloor.json'}: not a report the Ray floor wrote")
     peaks = (mem.driver_peak, mem.others_peak, mem.total_peak)
     # nothing to spill: the shares put no objects (their reports are a few bytes), and the
     # spill folder, read after Ray's shutdown, could not show what it held anyway
@@ -302,7 +303,7 @@ def train_share(config_path: str, share: int, workers: int, origin: float) -> di
 def floor_main(config_path: str, report_path: str, share: int, workers: int) -> None:
     """One process of the floor: its share (`train_share`), timed from this process's start."""
     report = train_share(config_path, share, workers, psutil.Process().create_time())
-    write_atomic(Path(report_path), json.dumps(report).encode())
+    gate.write(report_path, json.dumps(report).encode())
 
 
 class FloorShare:
@@ -335,4 +336,5 @@ def ray_floor_main(config_path: str, out: str, workers: int) -> None:
         shares = ray.get(calls)
     finally:
         ray.shutdown()
-    write_atomic(Path(out) / "rayfloor.json", json.dumps({"shares": shares}).encode())
+    with gate.Folder(out) as folder:
+        folder.write("rayfloor.json", json.dumps({"shares": shares}).encode())

@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from rayfl import cli, gate
 from rayfl.config import build_config
 from rayfl.errors import UserError
 from tests.conftest import SYNTHETIC
+from tests.security.plants import one_line
 
 VICTIM = b"precious data that no rayfl command may change\n"
 
@@ -131,6 +133,25 @@ def test_a_planted_mlflow_run_id_is_never_used(world, capsys, uri, monkeypatch):
     with pytest.raises(UserError, match="mlflow_run.json"):  # the API takes the same road
         rayfl.run(run_dir / "config.yaml", out=run_dir, resume=True, tracking__backend="mlflow")
     assert not store.exists() and not Path("mlflow.db").exists()
+
+
+@pytest.mark.slow  # builds an MLflow store
+def test_the_id_of_a_real_mlflow_run_planted_without_a_uri_is_never_logged_into(
+    world, capsys, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _, _ = world
+    uri = f"sqlite:///{run_dir.parent.parent / 'mine.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    victim = client.create_run(client.create_experiment("theirs")).info.run_id
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": victim}))
+    capsys.readouterr()  # MLflow's own lines, creating the store
+    code = cli.main(["run", "--resume", str(run_dir), "tracking.backend=mlflow"])
+    run = client.get_run(victim)
+    assert run.data.metrics == {} and run.info.status == "RUNNING"  # the victim run untouched
+    assert code == 2 and "mlflow_run.json" in one_line(capsys.readouterr().err)
 
 
 def test_ls_runs_changes_no_planted_running_run_and_creates_no_store(world, capsys):
@@ -285,6 +306,33 @@ def test_a_planted_suite_mlflow_run_is_never_reopened(tmp_path, capsys, monkeypa
     assert not (tmp_path / "m.db").exists()
 
 
+@pytest.mark.slow  # builds an MLflow store, and without the gate runs the suite
+def test_a_real_mlflow_run_planted_as_the_suites_parent_is_never_reopened(
+    tmp_path, capsys, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("theirs")
+    victim = client.create_run(experiment).info.run_id
+    child = client.create_run(experiment, tags={"mlflow.parentRunId": victim}).info.run_id
+    base = {**SYNTHETIC, "tracking": {"backend": "mlflow", "uri": uri}}
+    suite = {"suite": "s", "base": base, "algorithms": [{"name": "local"}], "seeds": [0]}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlflow_run.json").write_text(json.dumps({"run_id": victim, "tracking_uri": uri}))
+    capsys.readouterr()  # MLflow's own lines, creating the store
+    code = cli.main(["compare", "suite.yaml", "--out", str(out)])
+    assert client.get_run(child).info.status == "RUNNING"  # the victim's child not killed
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{victim}'")
+    assert [r.info.run_id for r in children] == [child]  # and no run added under it
+    assert client.get_run(victim).info.status == "RUNNING"
+    assert code == 2 and "mlflow_run.json" in one_line(capsys.readouterr().err)
+
+
 # ------------------------------------------------------------------------------ sweep folders
 
 
@@ -347,3 +395,66 @@ def test_sweep_report_links_no_trial_outside_the_folder(tmp_path):
     page = write_report(out).read_text()
     assert "href" not in page.split("<h2>Trials</h2>")[1].split("</table>")[0]
     assert "<b>max</b>" not in page
+
+
+# ------------------------------------------------------------------------------ bench folders
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "experiments" / "benchmarks"
+
+
+@pytest.fixture
+def bench(tmp_path, monkeypatch):
+    """The benchmark's driver (experiments/benchmarks/bench.py) on a one-variant benchmark, its
+    children faked: a variant's child records its arguments and, as a run does first, writes
+    summary.json into the run folder it was given; it writes no bench.json."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench
+    import bench_floors
+
+    started: list[list[str]] = []
+
+    class Child:
+        def __init__(self, args, **kwargs) -> None:
+            started.append(list(args))
+            run_dir = Path(args[-1])
+            run_dir.mkdir(exist_ok=True)
+            (run_dir / "summary.json").write_text('{"status": "RUNNING"}')
+            self.pid, self.returncode = os.getpid(), 0
+
+        def communicate(self):
+            return "", None
+
+    fake = types.SimpleNamespace(Popen=Child, PIPE=-1, STDOUT=-2)
+    monkeypatch.setattr(bench_floors, "subprocess", fake)
+    raw = {**SYNTHETIC, "bench": {"floor": False, "variants": {"serial": []}}}
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(raw))
+    return types.SimpleNamespace(main=bench.main, started=started)
+
+
+@pytest.mark.parametrize("link", ["serial", "serial/run"])
+def test_bench_refuses_a_symlinked_variant_folder_before_anything_runs(
+    tmp_path, capsys, bench, link
+):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_bytes(VICTIM)
+    out = tmp_path / "out"
+    (out / link).parent.mkdir(parents=True, exist_ok=True)
+    (out / link).symlink_to(victim)
+    code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
+    assert os.listdir(victim) == ["keep"] and (victim / "keep").read_bytes() == VICTIM
+    assert bench.started == []  # no variant ran
+    line = one_line(capsys.readouterr().err)
+    assert code == 2 and "symbolic link" in line
+
+
+def test_bench_never_reports_a_results_file_it_did_not_write(tmp_path, capsys, bench):
+    out = tmp_path / "out"
+    (out / "serial" / "run").mkdir(parents=True)
+    rounds = [{"time/round_s": 0.001, "personal/acc": 0.987654}]
+    planted = {"rounds": rounds, "store_peak_mb": 0.0, "spilled_mb": 0.0}
+    (out / "serial" / "run" / "bench.json").write_text(json.dumps(planted))
+    code = bench.main([str(tmp_path / "bench.yaml"), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert "0.988" not in captured.out and not (out / "report.txt").exists()
+    assert code == 2 and "not written by your rayfl" in one_line(captured.err)
