@@ -14,6 +14,9 @@ the `VARIANTS` table (a new variant is one `register_variant` call):
 - `input` (the official code): a tiny image-to-image proxy G before the local model F. Stage 1
   trains F on `(1-mu) CE(F(x)) + mu CE(F(G(x)))` with G frozen; stage 2 trains G on `CE(F(G(x)))`
   with F frozen for `proxy_epochs` (official: local_epochs + 10). Inference uses F alone.
+  Deviation for models with batch norm (the official CNNs have none): F's proxied pass leaves
+  its running statistics alone, so they describe the images F is scored on, not a mix of x
+  and G(x); otherwise a batch-norm model scored on x normalizes with G(x)'s statistics.
   Two quirks of the official code (LipingYi/pFedES `pFedES_mh.py`) are options, off by default:
   `shared_optimizer: true` keeps ONE SGD momentum state for G across clients and rounds (the
   official `optimizer_gen` is built once); in a federation whose clients train in parallel the
@@ -68,6 +71,7 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
+from rayfl.models.sbn import running_stats_kept
 from rayfl.models.zoo import InputProxy, ProxyExtractor
 from rayfl.schema import setting
 
@@ -416,9 +420,10 @@ class PFedESInputClient(PFedESClient):
         with torch.no_grad():
             gx = self.proxy(x)
         mu = self.params.mu
-        return (1 - mu) * F.cross_entropy(self.model(x), y) + mu * F.cross_entropy(
-            self.model(gx), y
-        )
+        own = F.cross_entropy(self.model(x), y)
+        with running_stats_kept(self.model):  # F is scored on x alone: its statistics are x's
+            proxied = F.cross_entropy(self.model(gx), y)
+        return (1 - mu) * own + mu * proxied
 
     def _stage2_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(self.proxy(x)), y)

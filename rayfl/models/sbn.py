@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["batch_independent", "batch_stat_norms"]
+__all__ = ["batch_independent", "batch_stat_norms", "running_stats_kept"]
 
 
 def batch_stat_norms(model: nn.Module) -> list[_BatchNorm]:
@@ -77,3 +77,23 @@ def batch_independent(
             m.num_batches_tracked = None
             m.track_running_stats = False
             m.momentum = momentum
+
+
+@contextmanager
+def running_stats_kept(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` whose batch norms still normalize with batch statistics in training but leave
+    their running statistics as they are: for a forward pass on inputs the model is not scored
+    on (pFedES `input`'s proxied images), so that evaluation normalizes with the statistics of
+    the inputs it does see."""
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked) for m in norms]
+    try:
+        for m in norms:
+            m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+            if m.num_batches_tracked is not None:
+                m.num_batches_tracked = m.num_batches_tracked.clone()
+        yield model
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved):
+            m.momentum = momentum
+            m.num_batches_tracked = tracked

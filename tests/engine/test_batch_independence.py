@@ -117,3 +117,46 @@ def test_static_bn_statistics_are_those_of_the_training_pass() -> None:
         out = bn(torch.tensor([[3.5 + 7.0**0.5]]))
         assert torch.allclose(out, torch.tensor([[1.0]]), atol=1e-4)
     assert bn.running_mean is None and not bn.track_running_stats
+
+
+def test_running_stats_kept_normalizes_by_batch_and_leaves_the_running_statistics():
+    from rayfl.models.sbn import running_stats_kept
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3).train()
+    x = torch.randn(16, 3) * 2 + 5
+    bn(x)  # one ordinary step: running mean 0.9 * 0 + 0.1 * mean(x)
+    mean, var, tracked = (
+        bn.running_mean.clone(),
+        bn.running_var.clone(),
+        int(bn.num_batches_tracked),
+    )
+    gx = torch.randn(16, 3) - 7
+    with running_stats_kept(bn):
+        out = bn(gx)
+    # training-mode output: normalized with gx's own batch statistics
+    expected = (gx - gx.mean(0)) / torch.sqrt(gx.var(0, unbiased=False) + bn.eps)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bn.running_mean, mean)
+    torch.testing.assert_close(bn.running_var, var)
+    assert int(bn.num_batches_tracked) == tracked and bn.momentum == 0.1
+    torch.testing.assert_close(mean, 0.1 * x.mean(0))
+
+
+def test_pfedes_input_scores_a_batch_norm_model_with_the_statistics_of_x():
+    """Stage 1 of pFedES `input` feeds F both x and G(x); F's running statistics must follow x
+    alone, what F is scored on (with G(x)'s mixed in, a batch-norm model scored on x
+    collapses)."""
+    from rayfl.algorithms.pfedes import PFedESInputClient
+
+    torch.manual_seed(0)
+    client = PFedESInputClient.__new__(PFedESInputClient)
+    client.model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 3)).train()
+    client.proxy = nn.Linear(4, 4)
+    with torch.no_grad():
+        client.proxy.weight.copy_(torch.eye(4) * 10)
+        client.proxy.bias.fill_(50.0)
+    client.params = type("P", (), {"mu": 0.5})()
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    client._stage1_step(x, y)
+    torch.testing.assert_close(client.model[0].running_mean, 0.1 * x.mean(0))
