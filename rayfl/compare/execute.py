@@ -214,6 +214,16 @@ def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], R
     return [driver] + [dict(worker) for _ in range(workers)], cfg
 
 
+def driver_share(cfg: RunConfig, bundle: dict[str, float]) -> dict[str, float]:
+    """What a suite run's driver task reserves of its bundle 0: all of it, unless the run's
+    server is an actor, which then takes the bundle's server part (the driver keeps a sliver)."""
+    from rayfl.schema import server_in_driver
+
+    if cfg.engine.executor == "serial" or server_in_driver(cfg.engine):
+        return bundle
+    return {"CPU": 0.01}
+
+
 def _execute_parallel(
     todo: list[tuple[int, SuiteRun, Path]],
     parallel: int,
@@ -236,9 +246,10 @@ def _execute_parallel(
             index, run, run_dir = queue.pop(0)
             bundles, cfg = run_bundles(run.config, 1.0 / parallel)
             pg = placement_group(bundles, strategy="PACK")
+            own = driver_share(cfg, bundles[0])
             ref = remote.options(
-                num_cpus=bundles[0].get("CPU", 0.0),
-                num_gpus=bundles[0].get("GPU", 0.0),
+                num_cpus=own.get("CPU", 0.0),
+                num_gpus=own.get("GPU", 0.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
                 ),
