@@ -27,7 +27,8 @@ adds or replaces one space entry, and every other `key=value` goes to the base e
 file's own `overrides` (e.g. `engine.rounds=5`).
 
 Outputs under `--out` (default `runs/sweeps/<sweep>-<time>`): `tune/` (Tune's own experiment
-state; rerunning with `tune.resume=true` continues it), `trials/<trial>/` (each trial's run
+state; rerunning with `tune.resume=true` continues it, also after the sweep was killed: a copy
+of that state is sealed after each finished trial), `trials/<trial>/` (each trial's run
 directory and checkpoints), `results.parquet` (one row per trial), `best_config.yaml` (the best
 trial's experiment, ready for `rayfl run`) and `metric_vs_params.png`.
 """

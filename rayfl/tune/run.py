@@ -24,6 +24,7 @@ from rayfl.tune.report import (
     write_best_config,
     write_results,
 )
+from rayfl.tune.state import check_tune_state, seal_tune_state, snapshots
 from rayfl.tune.sweep import Sweep, TuneSettings, load_sweep, search_space
 from rayfl.tune.trial import (
     TrialJob,
@@ -147,9 +148,6 @@ def tune_storage(t: TuneSettings, out: Path) -> str:
     return t.storage or str(out / "tune")
 
 
-SEAL = "tune_state.json"  # the sha256 of every file Tune wrote under <out>/tune
-
-
 def read_state(out: Path) -> dict[str, Any]:
     """`out/sweep.json` (the fingerprint and MLflow parent run of an earlier start), {} when
     there is none; read through the gate (what this user's rayfl wrote)."""
@@ -157,36 +155,6 @@ def read_state(out: Path) -> dict[str, Any]:
         return dict(gate.read_json(out / "sweep.json"))
     except FileNotFoundError:
         return {}
-
-
-def tree_hashes(top: gate.Folder, limit: int = 100_000) -> dict[str, str]:
-    """``relative path -> sha256`` of every file below ``top`` (at most ``limit`` files); a
-    link, FIFO or device is refused."""
-    import hashlib
-
-    out: dict[str, str] = {}
-
-    def walk(folder: gate.Folder, prefix: str) -> None:
-        for name in folder.names():
-            kind = folder.kind(name)
-            if kind == "dir":
-                with folder.sub(name) as child:
-                    walk(child, f"{prefix}{name}/")
-            elif kind == "file" and len(out) < limit:
-                data = folder.read_raw(name, gate.TABLE_LIMIT)
-                out[prefix + name] = hashlib.sha256(data).hexdigest()
-            else:
-                raise gate.refuse(folder.path / name, f"is {kind or 'gone'}, not a plain file")
-
-    walk(top, "")
-    return out
-
-
-def seal_tune_state(out: Path) -> None:
-    """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
-    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        hashes = tree_hashes(tune_dir)
-        folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
 
 
 def check_folder(sweep: Sweep, out: Path) -> None:
@@ -199,25 +167,7 @@ def check_folder(sweep: Sweep, out: Path) -> None:
         folder.sub("trials", create=True).close()
         with folder.sub("tune", create=True) as tune_dir:
             if sweep.tune.resume and tune_dir.kind(sweep.name) is not None:
-                check_tune_state(out)
-
-
-def check_tune_state(out: Path) -> None:
-    """Refuse to restore Tune's state under `<out>/tune` unless every file there is one this
-    user's rayfl sealed (`seal_tune_state`), unchanged, before Tune unpickles any of it."""
-    try:
-        sealed = gate.read_json(out / SEAL)
-    except FileNotFoundError:
-        raise UserError(
-            f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed, or not "
-            "written by your rayfl), so it is not restored; start the sweep with another --out"
-        ) from None
-    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        if tree_hashes(tune_dir) != sealed:
-            raise UserError(
-                f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
-                "planted files), so it is not restored; start the sweep with another --out"
-            )
+                check_tune_state(out, sweep.name)
 
 
 def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> SweepResult:
@@ -297,7 +247,12 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
                 ),
-                run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=t.verbose),
+                run_config=tune.RunConfig(
+                    name=sweep.name,
+                    storage_path=storage,
+                    verbose=t.verbose,
+                    callbacks=[snapshots(out)] if inside else None,
+                ),
             )
         grid = tuner.fit()
         result = SweepResult(sweep, out, rows=_collect(grid, sweep))

@@ -165,6 +165,8 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
 
     with gate.Folder(job.out).sub(f"trials/{name}", create=True) as folder:  # no link on the way
         run_dir = folder.path
+    if replay(run_dir, job.sweep.tune.metric, tune.report):
+        return
     # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
     resume = has_checkpoint(run_dir)
     simulate(
@@ -176,6 +178,20 @@ def _trainable(config: dict[str, Any], job: TrialJob) -> None:
         extra_callbacks=[TuneReport(job.sweep.tune.metric)],
         existing="replace",  # a restored sweep reruns a trial that left no checkpoint
     )
+
+
+def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None]) -> bool:
+    """Report the evaluated rounds of a run that already FINISHED in `run_dir` (it finished
+    after the state a sweep was restored from); False when it did not finish."""
+    from rayfl.engine.rundir import read_summary
+    from rayfl.tables import read_table
+
+    if read_summary(run_dir).get("status") != "FINISHED":
+        return False
+    for row in read_table(run_dir / "metrics.parquet"):
+        if row.get(metric) is not None:
+            report({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
+    return True
 
 
 def _trial_name(trial: Any) -> str:
