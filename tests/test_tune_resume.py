@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rayfl.tune.state import SNAPSHOT
+from rayfl.tune.state import SEAL
 from tests.test_tune import _write
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_a_sweep_killed_mid_way_resumes_to_the_uninterrupted_numbers(tmp_path, s
     proc = _tune(path, out)
     try:
         deadline = time.monotonic() + 300
-        while not (out / SNAPSHOT).exists() and proc.poll() is None:
+        while not (out / SEAL).exists() and proc.poll() is None:
             assert time.monotonic() < deadline, "no trial finished in time"
             time.sleep(0.2)
     finally:

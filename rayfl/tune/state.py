@@ -1,18 +1,16 @@
 """Tune's own state in a sweep folder (`<out>/tune`), restored only from what this user's rayfl
 sealed: Ray Tune unpickles it on a restore, so a file nobody vouches for is never handed to it.
 
-Two seals, both written through the gate (so its authenticated manifest vouches for them):
-- `tune_state.json`: the sha256 of every file under `<out>/tune` when the sweep ended (or
-  stopped); a restore needs the folder to match it exactly.
-- `tune_snapshot.json`: while the sweep runs, a copy of Tune's state taken each time Tune saves
-  it after a trial finished (`Snapshots`). A sweep killed at any moment (SIGKILL, power loss)
-  resumes from it: `<out>/tune/<sweep>` is rebuilt from the copy, never read as it was left.
+The seal, `tune_state.json`, is a copy of every file of Tune's state written through the gate
+(so its authenticated manifest vouches for it): after each finished trial (`snapshots`) and when
+the sweep ends (`seal_tune_state`). A sweep killed at any moment (SIGKILL, power loss) resumes
+from the last copy: `<out>/tune/<sweep>` is rebuilt from it, never read as it was left. After a
+sweep that ended, the folder must match the copy: a changed or planted file is refused.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -23,8 +21,7 @@ from rayfl.errors import UserError
 
 log = logging.getLogger(__name__)
 
-SEAL = "tune_state.json"  # the sha256 of every file Tune wrote under <out>/tune
-SNAPSHOT = "tune_snapshot.json"  # Tune's state after the last finished trial, file by file
+SEAL = "tune_state.json"  # {"ended": bool, "files": {relative path: base64}}
 MAX_FILES = 100_000
 
 
@@ -48,73 +45,59 @@ def read_tree(top: gate.Folder) -> dict[str, bytes]:
     return out
 
 
-def tree_hashes(top: gate.Folder) -> dict[str, str]:
-    """``relative path -> sha256`` of every file below ``top``."""
-    return {k: hashlib.sha256(v).hexdigest() for k, v in read_tree(top).items()}
+def _seal(out: Path, files: dict[str, bytes], ended: bool) -> None:
+    data = {k: base64.b64encode(v).decode() for k, v in sorted(files.items())}
+    gate.write(out / SEAL, json.dumps({"ended": ended, "files": data}).encode())
 
 
 def seal_tune_state(out: Path) -> None:
-    """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
+    """Seal every file Tune wrote under `<out>/tune` when the sweep ends: a restore unpickles
+    them."""
     with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        hashes = tree_hashes(tune_dir)
-        folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
-        folder.remove(SNAPSHOT)  # the sealed end supersedes the last snapshot
+        _seal(out, read_tree(tune_dir), ended=True)
 
 
 def check_tune_state(out: Path, name: str) -> None:
-    """Before Tune restores `<out>/tune/<name>`: the folder must match what this user's rayfl
-    sealed when the sweep ended; else, when the sweep was killed, it is rebuilt from the last
-    snapshot; else the restore is refused in one line, before Tune unpickles any of it."""
+    """Before Tune restores `<out>/tune/<name>`: rebuild it from the seal, refusing in one line
+    (before Tune unpickles any of it) when there is none or a sweep that ended left files that
+    differ from it."""
     with gate.Folder(out) as folder:
         try:
-            snapshot = json.loads(folder.read(SNAPSHOT, gate.TABLE_LIMIT))
+            sealed = json.loads(folder.read(SEAL, gate.TABLE_LIMIT))
         except FileNotFoundError:
-            snapshot = None
-        try:
-            sealed = json.loads(folder.read(SEAL, gate.JSON_LIMIT))
-        except FileNotFoundError:
-            sealed = None
+            raise UserError(
+                f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed before "
+                "a trial finished, or not written by your rayfl), so it is not restored; start "
+                "the sweep with another --out"
+            ) from None
+        files = {k: base64.b64decode(v) for k, v in sealed["files"].items()}
         with folder.sub("tune") as tune_dir:
-            if sealed is not None and tree_hashes(tune_dir) == sealed:
+            if sealed["ended"]:
+                if read_tree(tune_dir) != files:
+                    raise UserError(
+                        f"{out / 'tune'}: Tune's state differs from what your rayfl sealed "
+                        "(changed or planted files), so it is not restored; start the sweep "
+                        "with another --out"
+                    )
                 return
-            if snapshot is not None:
-                log.info("restoring Tune's state of %s from its last snapshot", out)
-                tune_dir.remove(name)
-                with tune_dir.sub(name, create=True) as exp:
-                    _unpack(exp, snapshot)
-                return
-    if sealed is None:
-        raise UserError(
-            f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed before a "
-            "trial finished, or not written by your rayfl), so it is not restored; start the "
-            "sweep with another --out"
-        )
-    raise UserError(
-        f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
-        "planted files), so it is not restored; start the sweep with another --out"
-    )
-
-
-def _unpack(top: gate.Folder, snapshot: dict[str, str]) -> None:
-    for rel, data in snapshot.items():
-        head, _, base = rel.rpartition("/")
-        if head:
-            with top.sub(head, create=True) as sub:
-                sub.write(base, base64.b64decode(data), record=False)
-        else:
-            top.write(base, base64.b64decode(data), record=False)
+            log.info("restoring Tune's state of %s from its last seal", out)
+            tune_dir.remove(name)
+            for rel, data in files.items():
+                head, _, base = rel.rpartition("/")
+                with tune_dir.sub(head, create=True) as sub:
+                    sub.write(base, data, record=False)
 
 
 def snapshots(out: Path) -> Any:
-    """A Tune callback that copies Tune's state into `<out>/tune_snapshot.json` each time Tune
-    saves it after a trial finished. Tune saves (calls `get_state`) right after writing its
-    experiment state to the driver's staging folder, so the copy is consistent: the staging
-    folder (fresh) over the experiment folder in `<out>/tune` (which Tune syncs from it now and
-    then, and which holds the `tuner.pkl` Tune wrote at the start)."""
+    """A Tune callback that seals Tune's state each time Tune saves it after a trial finished.
+    Tune saves (calls `get_state`) right after writing its experiment state to the driver's
+    staging folder, so the copy is consistent: the staging folder (fresh) over the experiment
+    folder in `<out>/tune` (which Tune syncs from it now and then, and which holds the
+    `tuner.pkl` Tune wrote at the start)."""
     from ray.tune import Callback
 
     class Snapshots(Callback):  # type: ignore[misc]
-        trial: Any = None  # a finished trial, not yet in a snapshot
+        trial: Any = None  # a finished trial, not yet sealed
 
         def on_trial_complete(self, iteration: int, trials: Any, trial: Any, **info: Any) -> None:
             self.trial = trial
@@ -130,15 +113,14 @@ def snapshots(out: Path) -> Any:
                         out, storage.experiment_fs_path, storage.experiment_driver_staging_path
                     )
                 except (OSError, UserError) as exc:  # the sweep goes on; a resume uses an older one
-                    log.warning("Tune's state was not snapshotted in %s: %s", out, exc)
+                    log.warning("Tune's state was not sealed in %s: %s", out, exc)
             return None  # nothing of ours in Tune's own callback state
 
     return Snapshots()
 
 
 def snapshot(out: Path, experiment: str, staging: str) -> None:
-    """Write `<out>/tune_snapshot.json`: every file of `staging` over those of `experiment`."""
+    """Seal (not ended) every file of `staging` over those of `experiment`."""
     with gate.Folder(experiment) as exp, gate.Folder(staging) as fresh:
         files = {**read_tree(exp), **read_tree(fresh)}
-    data = {k: base64.b64encode(v).decode() for k, v in sorted(files.items())}
-    gate.write(out / SNAPSHOT, json.dumps(data).encode())
+    _seal(out, {f"{Path(experiment).name}/{k}": v for k, v in files.items()}, ended=False)
