@@ -33,31 +33,15 @@ directory and checkpoints), `results.parquet` (one row per trial), `best_config.
 trial's experiment, ready for `rayfl run`) and `metric_vs_params.png`.
 """
 
-from rayfl.tune.report import SweepResult, format_results, write_best_config, write_results
-from rayfl.tune.run import ParentRun, default_out, run_sweep, sweep_and_report
-from rayfl.tune.sweep import (
-    SPEC_KINDS,
-    SWEEP_KEYS,
-    Sweep,
-    TuneSettings,
-    load_sweep,
-    num_trials,
-    search_space,
-    split_overrides,
-)
-from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config, trial_workers
+from rayfl.tune.report import SweepResult, write_results
+from rayfl.tune.run import run_sweep, sweep_and_report
+from rayfl.tune.sweep import load_sweep, num_trials, search_space, split_overrides
+from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
 
 __all__ = [
-    "SPEC_KINDS",
-    "SWEEP_KEYS",
-    "ParentRun",
-    "Sweep",
     "SweepResult",
     "TrialJob",
     "TuneReport",
-    "TuneSettings",
-    "default_out",
-    "format_results",
     "load_sweep",
     "num_trials",
     "run_sweep",
@@ -66,7 +50,5 @@ __all__ = [
     "sweep_and_report",
     "trial_bundles",
     "trial_config",
-    "trial_workers",
-    "write_best_config",
     "write_results",
 ]

@@ -17,31 +17,42 @@ from rayfl.tune.sweep import Sweep, _probe_values
 log = logging.getLogger(__name__)
 
 
-def trial_workers(cfg: RunConfig) -> int:
-    """Worker actors of one trial with engine.executor=ray: engine.num_workers, else 1 (one
-    per resource shape with `engine.resources_by_arch`)."""
-    return len(trial_shapes(cfg))
+def trial_workers(cfg: RunConfig, room: Mapping[str, float] | None = None) -> int:
+    """Worker actors of one trial with engine.executor=ray (see `trial_shapes`)."""
+    return len(trial_shapes(cfg, room))
 
 
-def trial_shapes(cfg: RunConfig) -> list[Any]:
-    """The reservation of each worker of one trial (`Resources`, one entry per worker)."""
+def trial_shapes(cfg: RunConfig, room: Mapping[str, float] | None = None) -> list[Any]:
+    """The reservation (`Resources`) of each worker of one trial: `engine.num_workers` workers,
+    else one (one per resource shape with `engine.resources_by_arch`), so a trial never asks
+    for the whole cluster; given `room` (a suite run's share of the cluster), as many as a
+    round's clients use (or `engine.num_workers`), at most what fits in it."""
     import math
 
     from rayfl.engine.pool import run_shapes
+    from rayfl.schema import clients_per_round
 
-    e = cfg.engine
-    if not e.resources_by_arch:
-        return [e.worker_resources] * (e.num_workers or 1)
-    return run_shapes(cfg, {"CPU": math.inf, "GPU": math.inf}, one_each=True)
+    e, w = cfg.engine, cfg.engine.worker_resources
+    if e.resources_by_arch:
+        return run_shapes(cfg, room or {"CPU": math.inf, "GPU": math.inf}, one_each=room is None)
+    if room is None:
+        return [w] * (e.num_workers or 1)
+    wanted = e.num_workers or math.ceil(clients_per_round(cfg) / e.clients_per_call)
+    needs = (("CPU", w.num_cpus), ("GPU", w.num_gpus))
+    fits = [math.floor(room.get(k, 0.0) / n + 1e-9) for k, n in needs if n > 0]
+    return [w] * max(1, min([wanted, *fits]))
 
 
-def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
-    """The placement-group bundles one trial reserves.
+def trial_bundles(
+    cfg: RunConfig, trial_cpus: float, room: Mapping[str, float] | None = None
+) -> list[dict[str, float]]:
+    """The placement-group bundles one trial (a sweep's trial, a suite's run) reserves.
 
     With `engine.executor=serial` the trial process trains every client itself, so it reserves one
     worker's resources. With `ray` it reserves `trial_cpus` for its own (mostly waiting) process,
-    one bundle per worker actor, and one for the server actor when that asks for resources; the
-    actors the trial starts land in these bundles, so concurrent trials never oversubscribe.
+    one bundle per worker actor (`trial_shapes`), and one for the server actor when that asks
+    for resources; the actors the trial starts land in these bundles, so concurrent trials never
+    oversubscribe.
 
     Example:
         >>> from rayfl.config import build_config
@@ -49,27 +60,15 @@ def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
         >>> trial_bundles(cfg, 0.5)
         [{'CPU': 0.5}, {'CPU': 1.0}, {'CPU': 1.0}]
     """
+    from rayfl.engine.pool import bundle
+
     e = cfg.engine
-
-    def bundle(res: Any) -> dict[str, float]:
-        return {k: float(v) for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
-
     if e.executor == "serial":
         return [bundle(e.worker_resources)]
     bundles = [{"CPU": float(trial_cpus)}]
-    bundles += [bundle(r) for r in trial_shapes(cfg)]
+    bundles += [bundle(r) for r in trial_shapes(cfg, room)]
     server = bundle(e.server_resources)
-    if server:
-        bundles.append(server)
-    return bundles
-
-
-def _trial_resources(sweep: Sweep, config: dict[str, Any]) -> Any:
-    from ray import tune
-
-    return tune.PlacementGroupFactory(
-        trial_bundles(sweep.config_for(config), sweep.tune.trial_cpus)
-    )
+    return bundles + [server] if server else bundles
 
 
 def _check_fits(sweep: Sweep, strict: bool) -> None:
@@ -196,16 +195,6 @@ def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None])
 
 def _trial_name(trial: Any) -> str:
     return f"trial_{trial.trial_id}"
-
-
-class _ResourcesFor:
-    """Picklable `config -> PlacementGroupFactory` (Tune stores it with the experiment)."""
-
-    def __init__(self, sweep: Sweep) -> None:
-        self.sweep = sweep
-
-    def __call__(self, config: dict[str, Any]) -> Any:
-        return _trial_resources(self.sweep, config)
 
 
 def _max_rounds(sweep: Sweep) -> int:
