@@ -24,12 +24,13 @@ from rayfl.compare.results import (
     mean_col,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
-from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run
+from rayfl.engine.rundir import read_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.schema import RunConfig
 from rayfl.tables import read_table, write_table
 from rayfl.tune.grid import Stopped, run_grid
 from rayfl.tune.run import ParentRun
+from rayfl.tune.trial import continue_run
 
 log = logging.getLogger(__name__)
 
@@ -112,44 +113,14 @@ def remove_checkpoints(run_dir: Path) -> None:
                 folder.remove(name)
 
 
-def discard_partial_child(run_dir: Path, cfg: RunConfig) -> None:
-    """Before a run starts again from round 1 (its earlier attempt left no checkpoint): delete the
-    MLflow run that attempt opened (only in the store the run's config names), so that the
-    suite's parent keeps one child per run."""
-    from rayfl.engine.rundir import check_mlflow_ref
-
-    try:
-        ref = check_mlflow_ref(run_dir, cfg)
-    except UserError:  # recorded in another store: left alone
-        ref = None
-    if ref is not None:
-        from rayfl.tracking.mlflow import delete_run
-
-        delete_run(ref["run_id"], ref.get("tracking_uri") or None)
-    with gate.Folder(run_dir) as folder:
-        folder.remove(MLFLOW_RUN)
-
-
 def execute_run(
     run: SuiteRun, run_dir: Path, parent_id: str | None, keep_checkpoints: bool
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """Run (or resume from its checkpoint) one suite run; a failure becomes a FAILED row with
     the error instead of ending the suite. Checkpoints go once it finished, unless kept."""
-    from rayfl.launch import simulate
-
-    resume = (run_dir / "checkpoint").exists()
-    if not resume:
-        discard_partial_child(run_dir, run.config)
     start = time.perf_counter()
     try:
-        result = simulate(
-            run.config,
-            run_dir,
-            progress=False,
-            resume=resume,
-            parent_run_id=parent_id,
-            existing="replace",
-        )
+        result = continue_run(run.config, run_dir, parent_id)
     except KeyboardInterrupt:
         raise
     except Exception as exc:

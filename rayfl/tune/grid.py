@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfl.schema import RunConfig
+from rayfl.tune.run import _absolute_uri
 from rayfl.tune.trial import trial_bundles, trial_workers
 
 DRIVER_CPUS = 0.01  # a run's own process (with engine.executor=ray it waits on its workers)
@@ -24,8 +25,6 @@ Stopped = None  # what `run_grid` returns for a run Ctrl-C stopped before it end
 def pinned(cfg: RunConfig) -> RunConfig:
     """`cfg` made independent of the working directory (a Tune trial runs in its own): the data
     root and the MLflow store as absolute paths."""
-    from rayfl.tune.run import _absolute_uri
-
     root = cfg.data.root
     data = dataclasses.replace(
         cfg.data, root=str(Path(root).expanduser().absolute()) if root else root

@@ -4,7 +4,7 @@ runs one simulation and reports every evaluated round."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,30 +152,52 @@ def trial_config(job: TrialJob, values: Mapping[str, Any], trial_name: str) -> R
 
 
 def _trainable(config: dict[str, Any], job: TrialJob) -> None:
-    """Tune's function trainable: one simulation, reporting after every evaluated round."""
+    """Tune's function trainable: one simulation (continued, or replayed when it finished,
+    after a restore), reporting after every evaluated round."""
     from ray import tune
 
-    from rayfl.engine.checkpoint import has_checkpoint
-    from rayfl.launch import simulate
+    from rayfl import gate
 
     name = tune.get_context().get_trial_name()
     cfg = trial_config(job, config, name)
-    from rayfl import gate
-
     with gate.Folder(job.out).sub(f"trials/{name}", create=True) as folder:  # no link on the way
         run_dir = folder.path
-    if replay(run_dir, job.sweep.tune.metric, tune.report):
-        return
-    # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
+    if not replay(run_dir, job.sweep.tune.metric, tune.report):
+        continue_run(cfg, run_dir, job.parent_run_id, [TuneReport(job.sweep.tune.metric)])
+
+
+def continue_run(
+    cfg: RunConfig, run_dir: Path, parent_run_id: str | None, callbacks: Sequence[Any] = ()
+) -> Any:
+    """Run `cfg` in `run_dir` (a sweep's trial, a suite's run), or continue it there: from its
+    checkpoint when it has one, else from round 1, replacing what an earlier attempt left (its
+    MLflow run deleted, only in the store `cfg` names, so the parent keeps one child per run).
+    """
+    from rayfl import gate
+    from rayfl.engine.checkpoint import has_checkpoint
+    from rayfl.engine.rundir import MLFLOW_RUN, check_mlflow_ref
+    from rayfl.launch import simulate
+
     resume = has_checkpoint(run_dir)
-    simulate(
+    if not resume:
+        try:
+            ref = check_mlflow_ref(run_dir, cfg)
+        except UserError:  # recorded in another store: left alone
+            ref = None
+        if ref is not None:
+            from rayfl.tracking.mlflow import delete_run
+
+            delete_run(ref["run_id"], ref.get("tracking_uri") or None)
+        with gate.Folder(run_dir) as folder:
+            folder.remove(MLFLOW_RUN)
+    return simulate(
         cfg,
         run_dir,
         progress=False,
         resume=resume,
-        parent_run_id=job.parent_run_id,
-        extra_callbacks=[TuneReport(job.sweep.tune.metric)],
-        existing="replace",  # a restored sweep reruns a trial that left no checkpoint
+        parent_run_id=parent_run_id,
+        extra_callbacks=callbacks,
+        existing="replace",
     )
 
 
