@@ -275,7 +275,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     name=sweep.name,
                     storage_path=storage,
                     verbose=t.verbose,
-                    callbacks=[snapshots(out)] if inside else None,
+                    callbacks=[snapshots()] if inside else None,
                 ),
             )
         grid = tuner.fit()

@@ -88,12 +88,13 @@ def check_tune_state(out: Path, name: str) -> None:
                     sub.write(base, data, record=False)
 
 
-def snapshots(out: Path) -> Any:
+def snapshots() -> Any:
     """A Tune callback that seals Tune's state each time Tune saves it after a trial finished.
     Tune saves (calls `get_state`) right after writing its experiment state to the driver's
     staging folder, so the copy is consistent: the staging folder (fresh) over the experiment
-    folder in `<out>/tune` (which Tune syncs from it now and then, and which holds the
-    `tuner.pkl` Tune wrote at the start)."""
+    folder `<out>/tune/<sweep>` (which Tune syncs from it now and then, and which holds the
+    `tuner.pkl` Tune wrote at the start). Tune keeps the callback in `tuner.pkl`, so it holds
+    no path: `<out>` is where Tune's storage is now."""
     from ray.tune import Callback
 
     class Snapshots(Callback):  # type: ignore[misc]
@@ -109,18 +110,17 @@ def snapshots(out: Path) -> Any:
             if self.trial is not None:
                 storage, self.trial = self.trial.storage, None
                 try:
-                    snapshot(
-                        out, storage.experiment_fs_path, storage.experiment_driver_staging_path
-                    )
+                    snapshot(storage.experiment_fs_path, storage.experiment_driver_staging_path)
                 except (OSError, UserError) as exc:  # the sweep goes on; a resume uses an older one
-                    log.warning("Tune's state was not sealed in %s: %s", out, exc)
+                    log.warning("Tune's state was not sealed: %s", exc)
             return None  # nothing of ours in Tune's own callback state
 
     return Snapshots()
 
 
-def snapshot(out: Path, experiment: str, staging: str) -> None:
-    """Seal (not ended) every file of `staging` over those of `experiment`."""
+def snapshot(experiment: str, staging: str) -> None:
+    """Seal (not ended) every file of `staging` over those of `experiment` (`<out>/tune/<sweep>`)."""
     with gate.Folder(experiment) as exp, gate.Folder(staging) as fresh:
         files = {**read_tree(exp), **read_tree(fresh)}
-    _seal(out, {f"{Path(experiment).name}/{k}": v for k, v in files.items()}, ended=False)
+    name, out = Path(experiment).name, Path(experiment).parents[1]
+    _seal(out, {f"{name}/{k}": v for k, v in files.items()}, ended=False)
