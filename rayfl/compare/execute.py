@@ -143,26 +143,30 @@ def _execute_parallel(
     done: Any,
 ) -> None:
     """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
-    `done(index, row, history)` for each run."""
+    `done(index, row, history)` as each run ends."""
     runs = {index: run for index, run, _ in todo}
-    dirs = {index: str(run_dir.absolute()) for index, _, run_dir in todo}
-    configs = {index: run.config for index, run in runs.items()}
+    places = {index: run_dir for index, _, run_dir in todo}
+
+    def ended(index: int, got: dict[str, Any]) -> None:
+        done(index, {**got["row"], "run_dir": str(places[index])}, got["history"])
+
     results = run_grid(
         suite.name,
-        configs,
+        {index: run.config for index, run in runs.items()},
         suite.parallel,
         _grid_run,
+        on_result=ended,
         runs=runs,
-        dirs=dirs,
+        dirs={index: str(run_dir.absolute()) for index, run_dir in places.items()},
         parent_id=parent_id,
         keep_checkpoints=keep_checkpoints,
     )
     stopped = False
     for index, run, run_dir in todo:
         got = results.get(index, Stopped)
-        if isinstance(got, dict):
-            done(index, {**got["row"], "run_dir": str(run_dir)}, got["history"])
-        elif got is Stopped:  # Ctrl-C stopped it before it ended
+        if isinstance(got, dict):  # handed to `ended` as it ended
+            continue
+        if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
         else:  # the trial itself died (not the run's own error)
             failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)

@@ -40,11 +40,13 @@ def run_grid(
     configs: Mapping[int, RunConfig],
     parallel: int,
     fn: Callable[..., dict[str, Any]],
+    on_result: Callable[[int, dict[str, Any]], None] | None = None,
     **params: Any,
 ) -> dict[int, dict[str, Any] | BaseException | None]:
     """Run `fn(cfg, index, **params)` for every `index -> cfg` of `configs`, `parallel` at a
     time, each as a Tune trial in the placement group of its run; `fn` returns a JSON-able
-    dict. Returns per index what `fn` returned, the error of a trial that died, or `Stopped`.
+    dict, handed to `on_result(index, returned)` on this process as the trial ends. Returns per
+    index what `fn` returned, the error of a trial that died, or `Stopped`.
     """
     import ray
     from ray import tune
@@ -68,7 +70,9 @@ def run_grid(
             ),
             param_space={"run": tune.grid_search(list(jobs))},
             tune_config=tune.TuneConfig(max_concurrent_trials=parallel),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
+            run_config=tune.RunConfig(
+                name=name, storage_path=storage, verbose=0, callbacks=[_handing(on_result)]
+            ),
         ).fit()
     finally:
         shutil.rmtree(storage, ignore_errors=True)
@@ -86,3 +90,24 @@ def _trial(
 
     index = config["run"]
     tune.report({"returned": json.dumps(fn(jobs[index], index, **params))})
+
+
+def _handing(on_result: Callable[[int, dict[str, Any]], None] | None) -> Any:
+    """A Tune callback that hands each trial's returned dict to `on_result` as it ends (Tune
+    keeps a copy of its callbacks in `tuner.pkl`: the copy does nothing)."""
+    from ray.tune import Callback
+
+    class Handing(Callback):  # type: ignore[misc]
+        def __init__(self, on_result: Any) -> None:
+            self.on_result = on_result
+
+        def __reduce__(self) -> Any:
+            return (Handing, (None,))
+
+        def on_trial_result(
+            self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any
+        ) -> None:
+            if self.on_result is not None and "returned" in result:
+                self.on_result(int(trial.config["run"]), json.loads(result["returned"]))
+
+    return Handing(on_result)
