@@ -85,3 +85,16 @@ def test_a_trial_that_finished_after_the_restored_state_is_replayed(tmp_path):
     gate.write(tmp_path / "summary.json", json.dumps({"status": "FINISHED"}).encode())
     assert replay(tmp_path, "personal/val_acc", sent.append)
     assert sent == [{"round": 2.0, "personal/acc": 0.625, "personal/val_acc": 0.75}]
+
+
+def test_a_seal_of_the_older_format_is_refused_in_one_line(tmp_path):
+    import json
+
+    from rayfl import gate
+    from rayfl.errors import UserError
+    from rayfl.tune.state import check_tune_state
+
+    (tmp_path / "tune" / "tiny").mkdir(parents=True)
+    gate.write(tmp_path / SEAL, json.dumps({"tiny/tuner.pkl": "ab" * 32}).encode())
+    with pytest.raises(UserError, match="older format"):
+        check_tune_state(tmp_path, "tiny")

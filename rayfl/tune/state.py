@@ -70,6 +70,11 @@ def check_tune_state(out: Path, name: str) -> None:
                 "a trial finished, or not written by your rayfl), so it is not restored; start "
                 "the sweep with another --out"
             ) from None
+        if not isinstance(sealed, dict) or not isinstance(sealed.get("files"), dict):
+            raise UserError(
+                f"{out / SEAL}: not a seal of this rayfl (an older format), so Tune's state is "
+                "not restored; start the sweep with another --out"
+            )
         files = {k: base64.b64decode(v) for k, v in sealed["files"].items()}
         with folder.sub("tune") as tune_dir:
             if sealed["ended"]:
