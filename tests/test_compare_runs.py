@@ -1,6 +1,6 @@
 """Suite execution: a failed run is recorded and the suite goes on, rerunning resumes (finished
 runs skipped, unfinished ones from their checkpoints), checkpoints go unless kept, one-seed
-tables have no ±, and `parallel` runs go as Ray tasks in placement groups with the same numbers."""
+tables have no ±, and `parallel` runs go as a Ray Tune grid with the same numbers."""
 
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ except the suite-level `seeds=[...]`, `algorithms=[labels]` and `settings=[names
     parallel: 2                        # optional: runs at a time (default 1: one after another)
 
 Runs execute `parallel` at a time: with 1, one after another in this process (each on Ray or
-serially, per its `engine.executor`); with more, each run is a Ray task inside its own placement
-group (a driver bundle plus one bundle per worker, which also holds the run's worker and server
-actors), so runs on a cluster never hold half of what they need. Each run is an MLflow child run
-under one parent run. Rerunning the same command with the same `--out` resumes: finished runs are
+serially, per its `engine.executor`); with more, as a Ray Tune grid, one trial per run, each in a
+placement group sized like a sweep's trial (`rayfl.tune.grid`), which also holds the run's worker
+and server actors, so runs on a cluster never hold half of what they need. Each run is an MLflow
+child run under one parent run. Rerunning the same command with the same `--out` resumes: finished runs are
 skipped, unfinished ones continue from their checkpoints (and their own MLflow runs), all under
 the same parent run (its id is kept in `<out>/mlflow_run.json`); a failed run is recorded (status FAILED
 and its error) and the others go on. Checkpoints are removed once a run finished, unless
@@ -41,18 +41,10 @@ metric), learning-curve plots and `table.txt` (what `run_suite` returns).
 The package: `suite` loads a suite file, `execute` runs it, `results` aggregates and tables it.
 """
 
-from rayfl.compare.execute import (
-    SuiteInterrupted,
-    execute_run,
-    preflight,
-    run_bundles,
-    run_dir_of,
-    run_suite,
-)
+from rayfl.compare.execute import SuiteInterrupted, run_dir_of, run_suite
 from rayfl.compare.results import (
     ARCH_PREFIX,
     DOMAIN_PREFIX,
-    GAIN,
     PERSONAL,
     aggregate,
     arch_rows,
@@ -60,38 +52,25 @@ from rayfl.compare.results import (
     format_results,
     mean_col,
     mean_curves,
-    protocol_line,
-    seed_curves,
-    spread_of,
     std_col,
     table_rows,
 )
-from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
+from rayfl.compare.suite import load_suite
 
 __all__ = [
     "ARCH_PREFIX",
     "DOMAIN_PREFIX",
-    "GAIN",
     "PERSONAL",
-    "Suite",
     "SuiteInterrupted",
-    "SuiteRun",
     "aggregate",
     "arch_rows",
     "curves_and_spread",
-    "execute_run",
     "format_results",
     "load_suite",
     "mean_col",
     "mean_curves",
-    "preflight",
-    "protocol_line",
-    "run_bundles",
     "run_dir_of",
-    "run_name",
     "run_suite",
-    "seed_curves",
-    "spread_of",
     "std_col",
     "table_rows",
 ]

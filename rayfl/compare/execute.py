@@ -1,14 +1,13 @@
-"""Running a suite: each run (or its resume) in its run directory, one after another or as Ray
-tasks in placement groups, under one MLflow parent run; then the tables, curves and artifacts."""
+"""Running a suite: each run (or its resume) in its run directory, one after another in this
+process or `parallel` at a time as a Ray Tune grid, under one MLflow parent run; then the tables,
+curves and artifacts."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,10 +24,13 @@ from rayfl.compare.results import (
     mean_col,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
-from rayfl.engine.rundir import MLFLOW_RUN, read_mlflow_run, write_mlflow_run
+from rayfl.engine.rundir import read_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.schema import RunConfig
 from rayfl.tables import read_table, write_table
+from rayfl.tune.grid import Stopped, run_grid
+from rayfl.tune.run import ParentRun
+from rayfl.tune.trial import continue_run
 
 log = logging.getLogger(__name__)
 
@@ -58,27 +60,18 @@ def preflight(suite: Suite) -> None:
             )
 
 
-def _parallel_ray(suite: Suite) -> bool:
-    """Parallel runs are Ray tasks whatever their executor: join or start the suite's Ray."""
+def _suite_ray(suite: Suite) -> bool:
+    """Join or start the suite's Ray: parallel runs are Tune trials whatever their executor;
+    one after another, one Ray for every `engine.executor=ray` run when they all want the same
+    one (instead of a start per run). True when this call started it."""
     from rayfl.engine.startup import init_ray
 
-    e = suite.runs[0].config.engine
-    return init_ray(e.address, e.ray_num_cpus)
-
-
-def _shared_ray(suite: Suite) -> Any:
-    """Start one local Ray for all runs (instead of one per run) when they all want the same one."""
-    keys = {
-        (r.config.engine.address, r.config.engine.ray_num_cpus)
-        for r in suite.runs
-        if r.config.engine.executor == "ray"
-    }
-    if len(keys) != 1:
-        return None
-    from rayfl.engine.startup import init_ray
-
-    address, num_cpus = keys.pop()
-    return init_ray(address, num_cpus)
+    runs = [r for r in suite.runs if suite.parallel > 1 or r.config.engine.executor == "ray"]
+    keys = {(r.config.engine.address, r.config.engine.ray_num_cpus) for r in runs}
+    if not runs or (suite.parallel == 1 and len(keys) != 1):
+        return False
+    e = runs[0].config.engine
+    return bool(init_ray(e.address, e.ray_num_cpus))
 
 
 def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
@@ -91,24 +84,17 @@ def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
     return out_dir / rel
 
 
-def _read_history(run_dir: Path) -> list[dict[str, float]]:
-    return read_table(run_dir / "metrics.parquet")
-
-
 def finished_row(
-    run: SuiteRun, run_dir: Path, previous: Mapping[str, Mapping[str, Any]]
+    run: SuiteRun, run_dir: Path
 ) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
-    it), or None. `previous` holds the rows of the last runs.parquet by run directory."""
+    it), or None."""
     from rayfl.engine.rundir import read_summary
 
     summary = read_summary(run_dir)
     if summary.get("status") != "FINISHED":
         return None
-    history = _read_history(run_dir)
-    old = previous.get(str(run_dir))
-    if old is not None and old.get("status") == "FINISHED":
-        return dict(old), history
+    history = read_table(run_dir / "metrics.parquet")
     ref = read_mlflow_run(run_dir)
     result = SimpleNamespace(
         final=summary.get("final", {}),
@@ -127,44 +113,14 @@ def remove_checkpoints(run_dir: Path) -> None:
                 folder.remove(name)
 
 
-def discard_partial_child(run_dir: Path, cfg: RunConfig) -> None:
-    """Before a run starts again from round 1 (its earlier attempt left no checkpoint): delete the
-    MLflow run that attempt opened (only in the store the run's config names), so that the
-    suite's parent keeps one child per run."""
-    from rayfl.engine.rundir import check_mlflow_ref
-
-    try:
-        ref = check_mlflow_ref(run_dir, cfg)
-    except UserError:  # recorded in another store: left alone
-        ref = None
-    if ref is not None:
-        from rayfl.tracking.mlflow import delete_run
-
-        delete_run(ref["run_id"], ref.get("tracking_uri") or None)
-    with gate.Folder(run_dir) as folder:
-        folder.remove(MLFLOW_RUN)
-
-
 def execute_run(
     run: SuiteRun, run_dir: Path, parent_id: str | None, keep_checkpoints: bool
 ) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """Run (or resume from its checkpoint) one suite run; a failure becomes a FAILED row with
     the error instead of ending the suite. Checkpoints go once it finished, unless kept."""
-    from rayfl.launch import simulate
-
-    resume = (run_dir / "checkpoint").exists()
-    if not resume:
-        discard_partial_child(run_dir, run.config)
     start = time.perf_counter()
     try:
-        result = simulate(
-            run.config,
-            run_dir,
-            progress=False,
-            resume=resume,
-            parent_run_id=parent_id,
-            existing="replace",
-        )
+        result = continue_run(run.config, run_dir, parent_id)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -179,94 +135,54 @@ def execute_run(
     return row, result.history
 
 
-def run_bundles(cfg: RunConfig, share: float) -> tuple[list[dict[str, float]], RunConfig]:
-    """Placement-group bundles for one run given `share` of the cluster's CPUs/GPUs, and the
-    config with `engine.num_workers` fixed to the bundles it gets. Bundle 0 is the run's driver
-    (a sliver of CPU for a Ray-executor run; the whole training for a serial one)."""
-    from rayfl.schema import clients_per_round
-
-    e = cfg.engine
-    w = e.worker_resources
-    if e.executor == "serial":
-        return [{"CPU": max(w.num_cpus, 1.0)}], cfg
-    import ray
-
-    total = ray.cluster_resources()
-    driver = {"CPU": 0.01 + e.server_resources.num_cpus}
-    if e.server_resources.num_gpus > 0:
-        driver["GPU"] = e.server_resources.num_gpus
-    if e.resources_by_arch:  # a pool per shape, sized within the run's share
-        from rayfl.engine.pool import bundle, run_shapes
-
-        share_of = {k: total.get(k, 0.0) * share for k in ("CPU", "GPU")}
-        shapes = run_shapes(cfg, share_of)
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=len(shapes)))
-        return [driver, *(bundle(r) for r in shapes)], cfg
-    room = []
-    if w.num_cpus > 0:
-        room.append(math.floor(total.get("CPU", 0.0) * share / w.num_cpus + 1e-9))
-    if w.num_gpus > 0:
-        room.append(math.floor(total.get("GPU", 0.0) * share / w.num_gpus + 1e-9))
-    wanted = e.num_workers or math.ceil(clients_per_round(cfg) / e.clients_per_call)
-    workers = max(1, min(wanted, *room))
-    worker = {k: v for k, v in (("CPU", w.num_cpus), ("GPU", w.num_gpus)) if v > 0}
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(e, num_workers=workers))
-    return [driver] + [dict(worker) for _ in range(workers)], cfg
-
-
-def driver_share(cfg: RunConfig, bundle: dict[str, float]) -> dict[str, float]:
-    """What a suite run's driver task reserves of its bundle 0: all of it, unless the run's
-    server is an actor, which then takes the bundle's server part (the driver keeps a sliver)."""
-    from rayfl.schema import server_in_driver
-
-    if cfg.engine.executor == "serial" or server_in_driver(cfg.engine):
-        return bundle
-    return {"CPU": 0.01}
-
-
 def _execute_parallel(
+    suite: Suite,
     todo: list[tuple[int, SuiteRun, Path]],
-    parallel: int,
     parent_id: str | None,
     keep_checkpoints: bool,
     done: Any,
 ) -> None:
-    """Run `parallel` suite runs at a time as Ray tasks, each inside its own placement group
-    (driver bundle + one bundle per worker) that also captures the run's worker and server
-    actors, so runs never hold half of what they need; `done(index, row, history)` per run."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
+    `done(index, row, history)` as each run ends."""
+    runs = {index: run for index, run, _ in todo}
+    places = {index: run_dir for index, _, run_dir in todo}
 
-    remote = ray.remote(execute_run)
-    queue = list(todo)
-    running: dict[Any, tuple[int, SuiteRun, Path, Any, float]] = {}
-    while queue or running:
-        while queue and len(running) < parallel:
-            index, run, run_dir = queue.pop(0)
-            bundles, cfg = run_bundles(run.config, 1.0 / parallel)
-            pg = placement_group(bundles, strategy="PACK")
-            own = driver_share(cfg, bundles[0])
-            ref = remote.options(
-                num_cpus=own.get("CPU", 0.0),
-                num_gpus=own.get("GPU", 0.0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
-                ),
-            ).remote(run._replace(config=cfg), run_dir, parent_id, keep_checkpoints)
-            running[ref] = (index, run, run_dir, pg, time.perf_counter())
-        ready, _ = ray.wait(list(running), num_returns=1)
-        index, run, run_dir, pg, started = running.pop(ready[0])
-        try:
-            row, history = ray.get(ready[0])
-        except ray.exceptions.RayError as exc:  # the task itself died (not the run's own error)
+    def ended(index: int, got: dict[str, Any]) -> None:
+        done(index, {**got["row"], "run_dir": str(places[index])}, got["history"])
+
+    results = run_grid(
+        suite.name,
+        {index: run.config for index, run in runs.items()},
+        suite.parallel,
+        _grid_run,
+        on_result=ended,
+        runs=runs,
+        dirs={index: str(run_dir.absolute()) for index, run_dir in places.items()},
+        parent_id=parent_id,
+        keep_checkpoints=keep_checkpoints,
+    )
+    stopped = False
+    for index, run, run_dir in todo:
+        got = results.get(index, Stopped)
+        if isinstance(got, dict):  # handed to `ended` as it ended
+            continue
+        if got is Stopped:  # Ctrl-C stopped it before it ended
+            stopped = True
+        else:  # the trial itself died (not the run's own error)
             failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
-            row = _final_row(run, failed, time.perf_counter() - started, run_dir)
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}"
-            history = []
-        finally:
-            remove_placement_group(pg)
-        done(index, row, history)
+            row = _final_row(run, failed, 0.0, run_dir)
+            row["error"] = f"{type(got).__name__}: {str(got).splitlines()[0][:500]}"
+            done(index, row, [])
+    if stopped:
+        raise KeyboardInterrupt
+
+
+def _grid_run(
+    cfg: RunConfig, index: int, runs: dict[int, SuiteRun], dirs: dict[int, str], **kw: Any
+) -> dict[str, Any]:
+    """One suite run as a grid trial: its row and history."""
+    row, history = execute_run(runs[index]._replace(config=cfg), Path(dirs[index]), **kw)
+    return {"row": row, "history": history}
 
 
 class SuiteInterrupted(KeyboardInterrupt):
@@ -329,63 +245,6 @@ def run_suite(
         lock.close()
 
 
-def _parent_tracker(suite: Suite, path: Path, overrides: Sequence[str], out_dir: Path) -> Any:
-    """The suite's MLflow parent run: the one recorded in `out_dir` (a resume), else a new one,
-    recorded there. Children left RUNNING by a killed earlier attempt end KILLED (this process
-    holds the folder's lock, so none of them is still running)."""
-    from rayfl.tracking import make_tracker
-
-    first = suite.runs[0].config.tracking
-    mlflow = first.backend == "mlflow"
-    previous = read_mlflow_run(out_dir) if mlflow else None
-    if previous is not None:  # reopened only in the store this suite's config names
-        from rayfl.tracking.base import default_tracking_uri
-
-        if previous.get("tracking_uri") != (first.uri or default_tracking_uri()):
-            previous = None
-    parent = make_tracker(
-        first.backend,
-        experiment=first.experiment,
-        run_name=f"suite-{suite.name}",
-        tracking_uri=first.uri,
-        tags={"rayfl.suite": suite.name},
-        run_id=previous["run_id"] if previous else None,
-    )
-    parent_id = getattr(parent, "run_id", None)
-    if mlflow and parent_id:
-        uri = getattr(parent, "tracking_uri", "") or ""
-        write_mlflow_run(out_dir, parent_id, uri)
-        if previous is not None and previous["run_id"] == parent_id:
-            from rayfl.tracking.mlflow import end_child_runs
-
-            end_child_runs(parent_id, uri or None, "KILLED")
-    parent.log_config(
-        {
-            "suite": suite.name,
-            "file": str(path),
-            "seeds": suite.seeds,
-            "labels": suite.labels,
-            "algorithms": suite.algorithms,
-            "settings": suite.settings,
-            "overrides": list(overrides),
-            "runs": len(suite.runs),
-            "parallel": suite.parallel,
-        }
-    )
-    return parent
-
-
-def _end_parent(parent: Any, status: str) -> None:
-    """End the parent run and any child still RUNNING (a parallel run's task that was stopped
-    never closes its own run) with `status`."""
-    parent_id = getattr(parent, "run_id", None)
-    if parent_id and hasattr(parent, "tracking_uri"):
-        from rayfl.tracking.mlflow import end_child_runs
-
-        end_child_runs(parent_id, parent.tracking_uri, status)
-    parent.close(status)
-
-
 def _run_locked(
     suite: Suite,
     path: Path,
@@ -399,14 +258,23 @@ def _run_locked(
     from rayfl.tracking.plots import plot_compare
 
     gate.write(out_dir / "suite.yaml", path.read_bytes())
-    previous = {r["run_dir"]: r for r in read_table(out_dir / "runs.parquet")}
-    parent = _parent_tracker(suite, path, overrides, out_dir)
-    parent_id = getattr(parent, "run_id", None)
+    first = suite.runs[0].config.tracking
+    params: dict[str, Any] = {
+        "suite": suite.name,
+        "file": str(path),
+        "seeds": suite.seeds,
+        "labels": suite.labels,
+    }
+    params |= {"algorithms": suite.algorithms, "settings": suite.settings}
+    params |= {"overrides": list(overrides), "runs": len(suite.runs), "parallel": suite.parallel}
+    # (this process holds the folder's lock: children a reopened parent left RUNNING were killed)
+    parent = ParentRun(out_dir, first, f"suite-{suite.name}", {"rayfl.suite": suite.name}, params)
+    parent_id = parent.run_id
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
     todo: list[tuple[int, SuiteRun, Path]] = []
     for index, run in enumerate(suite.runs):
         run_dir = run_dir_of(out_dir, run, create=True)
-        slots[index] = finished_row(run, run_dir, previous)
+        slots[index] = finished_row(run, run_dir)
         if slots[index] is None:
             todo.append((index, run, run_dir))
     if len(todo) < len(suite.runs):
@@ -434,16 +302,16 @@ def _run_locked(
         write_table([s[0] for s in slots if s is not None], out_dir / "runs", csv=True)
         bar.update(1)
 
-    started_ray = _shared_ray(suite) if suite.parallel == 1 else _parallel_ray(suite)
+    started_ray = _suite_ray(suite)
     try:
         if suite.parallel > 1 and todo:
-            _execute_parallel(todo, suite.parallel, parent_id, keep_checkpoints, done)
+            _execute_parallel(suite, todo, parent_id, keep_checkpoints, done)
         else:
             for index, run, run_dir in todo:
                 bar.set_postfix_str(run_name(run.setting, run.label, run.seed))
                 done(index, *execute_run(run, run_dir, parent_id, keep_checkpoints))
     except BaseException as exc:
-        _end_parent(parent, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         bar.close()
@@ -479,9 +347,8 @@ def _run_locked(
             and v is not None
             and (k.endswith(mean_col("/acc")) or k.startswith((ARCH_PREFIX, DOMAIN_PREFIX)))
         }
-        parent.log_metrics(accs, step=0)
-    for artifact in artifacts:
-        parent.log_artifact(artifact)
+        parent.log_metrics(accs)
+    parent.log_artifacts(artifacts)
     parent.close("FAILED" if failed else "FINISHED")
     log.info("suite %s written to %s", suite.name, out_dir)
     return table + f"\nresults: {out_dir}"

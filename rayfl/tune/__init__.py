@@ -27,36 +27,21 @@ adds or replaces one space entry, and every other `key=value` goes to the base e
 file's own `overrides` (e.g. `engine.rounds=5`).
 
 Outputs under `--out` (default `runs/sweeps/<sweep>-<time>`): `tune/` (Tune's own experiment
-state; rerunning with `tune.resume=true` continues it), `trials/<trial>/` (each trial's run
+state; rerunning with `tune.resume=true` continues it, also after the sweep was killed: a copy
+of that state is sealed after each finished trial), `trials/<trial>/` (each trial's run
 directory and checkpoints), `results.parquet` (one row per trial), `best_config.yaml` (the best
 trial's experiment, ready for `rayfl run`) and `metric_vs_params.png`.
 """
 
-from rayfl.tune.report import SweepResult, format_results, write_best_config, write_results
-from rayfl.tune.run import ParentRun, default_out, run_sweep, sweep_and_report
-from rayfl.tune.sweep import (
-    SPEC_KINDS,
-    SWEEP_KEYS,
-    Sweep,
-    TuneSettings,
-    load_sweep,
-    num_trials,
-    search_space,
-    split_overrides,
-)
-from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config, trial_workers
+from rayfl.tune.report import SweepResult, write_results
+from rayfl.tune.run import run_sweep, sweep_and_report
+from rayfl.tune.sweep import load_sweep, num_trials, search_space, split_overrides
+from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
 
 __all__ = [
-    "SPEC_KINDS",
-    "SWEEP_KEYS",
-    "ParentRun",
-    "Sweep",
     "SweepResult",
     "TrialJob",
     "TuneReport",
-    "TuneSettings",
-    "default_out",
-    "format_results",
     "load_sweep",
     "num_trials",
     "run_sweep",
@@ -65,7 +50,5 @@ __all__ = [
     "sweep_and_report",
     "trial_bundles",
     "trial_config",
-    "trial_workers",
-    "write_best_config",
     "write_results",
 ]

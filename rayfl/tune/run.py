@@ -1,4 +1,4 @@
-"""Running a sweep: the Tune `Tuner`, the MLflow parent run, resume, outputs."""
+"""Running a sweep: the Tune `Tuner`, resume, outputs; the MLflow parent run of a sweep or suite."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ from rayfl.tune.report import (
     write_best_config,
     write_results,
 )
+from rayfl.tune.state import check_tune_state, seal_tune_state, snapshots
 from rayfl.tune.sweep import Sweep, TuneSettings, load_sweep, search_space
 from rayfl.tune.trial import (
     TrialJob,
     _check_fits,
     _max_rounds,
-    _ResourcesFor,
     _trainable,
     _trial_name,
+    trial_bundles,
 )
 
 log = logging.getLogger(__name__)
@@ -41,35 +42,51 @@ log = logging.getLogger(__name__)
 
 
 class ParentRun:
-    """The sweep's MLflow parent run, written through the `Tracker` protocol like every run
-    (`rayfl.tracking.mlflow.MlflowTracker`); reopened, not duplicated, when the sweep resumes.
-
-    Its params are the search space (`space.<key>`, JSON), the `tune:` settings (`tune.<key>`),
-    the base file and the overrides; trials log child runs under it (`mlflow.parentRunId`).
+    """The MLflow parent run of a sweep or a suite, written through the `Tracker` protocol like
+    every run (nothing with `tracking.backend=none`); its runs log child runs under it
+    (`mlflow.parentRunId`). Its id is kept in `<out>/mlflow_run.json` (through the gate): with
+    `reopen` the one recorded there is reopened, not duplicated, only in the store the config
+    names, and the children a killed attempt left RUNNING end KILLED. A new one logs `params`.
     """
 
-    def __init__(self, sweep: Sweep, uri: str, run_id: str | None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        tracking: Any,
+        name: str,
+        tags: Mapping[str, str],
+        params: Mapping[str, Any],
+        reopen: bool = True,
+    ) -> None:
+        from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
         from rayfl.tracking import make_tracker
 
-        self.uri = uri
+        mlflow = tracking.backend == "mlflow"
+        self.uri = _absolute_uri(tracking.uri) if mlflow else None
+        previous = read_mlflow_run(out) if mlflow and reopen else None
+        if previous is not None and previous.get("tracking_uri") != self.uri:
+            previous = None
         self.tracker = make_tracker(
-            "mlflow",
-            experiment=sweep.config.tracking.experiment,
-            run_name=sweep.name,
-            tracking_uri=uri,
-            tags={"rayfl.sweep": sweep.name, "rayfl.base": str(sweep.base)},
-            run_id=run_id,
+            tracking.backend,
+            experiment=tracking.experiment,
+            run_name=name,
+            tracking_uri=self.uri,
+            tags=dict(tags),
+            run_id=previous["run_id"] if previous else None,
         )
-        self.run_id: str = str(getattr(self.tracker, "run_id", ""))
-        if self.run_id != run_id:  # a new parent run (not a reopened one): log what it sweeps
-            self.tracker.log_config(
-                {
-                    "space": {k: json.dumps(v) for k, v in sweep.space.items()},
-                    "tune": dataclasses.asdict(sweep.tune),
-                    "base": str(sweep.base),
-                    "overrides": " ".join(sweep.overrides),
-                }
-            )
+        self.run_id: str | None = getattr(self.tracker, "run_id", None) or None
+        if self.run_id is not None and previous and previous["run_id"] == self.run_id:
+            self._end_children()
+        else:
+            self.tracker.log_config(dict(params))
+        if self.run_id is not None and self.uri is not None:
+            write_mlflow_run(out, self.run_id, self.uri)
+
+    def _end_children(self) -> None:
+        from rayfl.tracking.mlflow import end_child_runs
+
+        if self.run_id is not None:
+            end_child_runs(self.run_id, self.uri, "KILLED")
 
     def log_artifacts(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -79,10 +96,9 @@ class ParentRun:
         self.tracker.log_metrics(metrics, step=0)
 
     def close(self, status: str) -> None:
-        from rayfl.tracking.mlflow import end_child_runs
-
-        # Trials that Tune stopped (ASHA) or lost end without closing their child run.
-        end_child_runs(self.run_id, self.uri, "KILLED")
+        """End it with `status`; children still RUNNING (trials Tune stopped or lost, runs an
+        interruption stopped) end KILLED."""
+        self._end_children()
         self.tracker.close(status)
 
 
@@ -147,46 +163,13 @@ def tune_storage(t: TuneSettings, out: Path) -> str:
     return t.storage or str(out / "tune")
 
 
-SEAL = "tune_state.json"  # the sha256 of every file Tune wrote under <out>/tune
-
-
 def read_state(out: Path) -> dict[str, Any]:
-    """`out/sweep.json` (the fingerprint and MLflow parent run of an earlier start), {} when
-    there is none; read through the gate (what this user's rayfl wrote)."""
+    """`out/sweep.json` (the fingerprint of an earlier start), {} when there is none; read
+    through the gate (what this user's rayfl wrote)."""
     try:
         return dict(gate.read_json(out / "sweep.json"))
     except FileNotFoundError:
         return {}
-
-
-def tree_hashes(top: gate.Folder, limit: int = 100_000) -> dict[str, str]:
-    """``relative path -> sha256`` of every file below ``top`` (at most ``limit`` files); a
-    link, FIFO or device is refused."""
-    import hashlib
-
-    out: dict[str, str] = {}
-
-    def walk(folder: gate.Folder, prefix: str) -> None:
-        for name in folder.names():
-            kind = folder.kind(name)
-            if kind == "dir":
-                with folder.sub(name) as child:
-                    walk(child, f"{prefix}{name}/")
-            elif kind == "file" and len(out) < limit:
-                data = folder.read_raw(name, gate.TABLE_LIMIT)
-                out[prefix + name] = hashlib.sha256(data).hexdigest()
-            else:
-                raise gate.refuse(folder.path / name, f"is {kind or 'gone'}, not a plain file")
-
-    walk(top, "")
-    return out
-
-
-def seal_tune_state(out: Path) -> None:
-    """Record the hash of every file Tune wrote under `<out>/tune`: a restore unpickles them."""
-    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        hashes = tree_hashes(tune_dir)
-        folder.write(SEAL, json.dumps(hashes, sort_keys=True).encode())
 
 
 def check_folder(sweep: Sweep, out: Path) -> None:
@@ -199,25 +182,7 @@ def check_folder(sweep: Sweep, out: Path) -> None:
         folder.sub("trials", create=True).close()
         with folder.sub("tune", create=True) as tune_dir:
             if sweep.tune.resume and tune_dir.kind(sweep.name) is not None:
-                check_tune_state(out)
-
-
-def check_tune_state(out: Path) -> None:
-    """Refuse to restore Tune's state under `<out>/tune` unless every file there is one this
-    user's rayfl sealed (`seal_tune_state`), unchanged, before Tune unpickles any of it."""
-    try:
-        sealed = gate.read_json(out / SEAL)
-    except FileNotFoundError:
-        raise UserError(
-            f"{out / 'tune'}: its Tune state was never sealed (the sweep was killed, or not "
-            "written by your rayfl), so it is not restored; start the sweep with another --out"
-        ) from None
-    with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
-        if tree_hashes(tune_dir) != sealed:
-            raise UserError(
-                f"{out / 'tune'}: Tune's state differs from what your rayfl sealed (changed or "
-                "planted files), so it is not restored; start the sweep with another --out"
-            )
+                check_tune_state(out, sweep.name)
 
 
 def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> SweepResult:
@@ -226,7 +191,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
     from ray.tune.search import BasicVariantGenerator
 
     t = sweep.tune
-    inside = not t.storage  # Tune's storage in the sweep folder: sealed by the gate at the end
+    inside = not t.storage  # Tune's storage in the sweep folder: sealed through the gate
     storage = tune_storage(t, out)
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
     state_path = out / "sweep.json"
@@ -241,29 +206,38 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
             f"{out} holds sweep {sweep.name} with another space, base or settings; resume it unchanged or choose another --out"
         )
     _check_fits(sweep, strict=strict_fit)
-
-    parent: ParentRun | None = None
-    uri: str | None = None
     if sweep.config.tracking.backend == "mlflow":
-        uri = _absolute_uri(sweep.config.tracking.uri)
-        _warn_sqlite_on_cluster(uri)
-        # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
-        parent = ParentRun(sweep, uri, state.get("parent_run_id") if restoring else None)
-    state = {"fingerprint": fingerprint, "parent_run_id": parent.run_id if parent else None}
-    gate.write(state_path, json.dumps(state, indent=2).encode())
+        _warn_sqlite_on_cluster(_absolute_uri(sweep.config.tracking.uri))
+    # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
+    parent = ParentRun(
+        out,
+        sweep.config.tracking,
+        sweep.name,
+        tags={"rayfl.sweep": sweep.name, "rayfl.base": str(sweep.base)},
+        params={
+            "space": {k: json.dumps(v) for k, v in sweep.space.items()},
+            "tune": dataclasses.asdict(sweep.tune),
+            "base": str(sweep.base),
+            "overrides": " ".join(sweep.overrides),
+        },
+        reopen=restoring,
+    )
+    gate.write(state_path, json.dumps({"fingerprint": fingerprint}, indent=2).encode())
     gate.write(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
 
     root = sweep.config.data.root
     job = TrialJob(
         sweep=sweep,
         out=out,
-        tracking_uri=uri,
-        parent_run_id=parent.run_id if parent else None,
+        tracking_uri=parent.uri,
+        parent_run_id=parent.run_id,
         data_root=str(Path(root).expanduser().resolve()) if root else None,
     )
     trainable = tune.with_resources(
         tune.with_parameters(_trainable, job=job),
-        resources=_ResourcesFor(sweep),
+        resources=lambda config: tune.PlacementGroupFactory(
+            trial_bundles(sweep.config_for(config), t.trial_cpus)
+        ),
     )
     started = time.perf_counter()
     status = "FAILED"
@@ -297,13 +271,18 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
                 ),
-                run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=t.verbose),
+                run_config=tune.RunConfig(
+                    name=sweep.name,
+                    storage_path=storage,
+                    verbose=t.verbose,
+                    callbacks=[snapshots()] if inside else None,
+                ),
             )
         grid = tuner.fit()
         result = SweepResult(sweep, out, rows=_collect(grid, sweep))
         result.wall_s = time.perf_counter() - started
-        result.parent_run_id = parent.run_id if parent else None
-        result.tracking_uri = uri
+        result.parent_run_id = parent.run_id
+        result.tracking_uri = parent.uri
         result.best = _best(result.rows, t.metric, t.mode)
         if not result.rows:
             raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
@@ -318,11 +297,9 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         result.best_config_path = write_best_config(result)
         artifacts = [out / "results.parquet", result.best_config_path, out / "sweep.yaml"]
         artifacts.append(_plot(result))
-        if parent is not None:
-            parent.log_artifacts(artifacts)
-            best = {f"best/{k}": result.best[k] for k in reported(sweep)}
-            best = {k: v for k, v in best.items() if v is not None}
-            parent.log_metrics({**best, "trials": len(result.rows)})
+        parent.log_artifacts(artifacts)
+        best = {f"best/{k}": result.best[k] for k in reported(sweep) if result.best[k] is not None}
+        parent.log_metrics({**best, "trials": len(result.rows)})
         status = "FINISHED"
         return result
     except KeyboardInterrupt:
@@ -336,8 +313,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                 log.warning(
                     "Tune's state in %s was not sealed (%s): it cannot be resumed", out, exc
                 )
-        if parent is not None:
-            parent.close(status)
+        parent.close(status)
 
 
 def _warn_sqlite_on_cluster(uri: str) -> None:

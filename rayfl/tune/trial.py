@@ -4,7 +4,7 @@ runs one simulation and reports every evaluated round."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,31 +17,42 @@ from rayfl.tune.sweep import Sweep, _probe_values
 log = logging.getLogger(__name__)
 
 
-def trial_workers(cfg: RunConfig) -> int:
-    """Worker actors of one trial with engine.executor=ray: engine.num_workers, else 1 (one
-    per resource shape with `engine.resources_by_arch`)."""
-    return len(trial_shapes(cfg))
+def trial_workers(cfg: RunConfig, room: Mapping[str, float] | None = None) -> int:
+    """Worker actors of one trial with engine.executor=ray (see `trial_shapes`)."""
+    return len(trial_shapes(cfg, room))
 
 
-def trial_shapes(cfg: RunConfig) -> list[Any]:
-    """The reservation of each worker of one trial (`Resources`, one entry per worker)."""
+def trial_shapes(cfg: RunConfig, room: Mapping[str, float] | None = None) -> list[Any]:
+    """The reservation (`Resources`) of each worker of one trial: `engine.num_workers` workers,
+    else one (one per resource shape with `engine.resources_by_arch`), so a trial never asks
+    for the whole cluster; given `room` (a suite run's share of the cluster), as many as a
+    round's clients use (or `engine.num_workers`), at most what fits in it."""
     import math
 
     from rayfl.engine.pool import run_shapes
+    from rayfl.schema import clients_per_round
 
-    e = cfg.engine
-    if not e.resources_by_arch:
-        return [e.worker_resources] * (e.num_workers or 1)
-    return run_shapes(cfg, {"CPU": math.inf, "GPU": math.inf}, one_each=True)
+    e, w = cfg.engine, cfg.engine.worker_resources
+    if e.resources_by_arch:
+        return run_shapes(cfg, room or {"CPU": math.inf, "GPU": math.inf}, one_each=room is None)
+    if room is None:
+        return [w] * (e.num_workers or 1)
+    wanted = e.num_workers or math.ceil(clients_per_round(cfg) / e.clients_per_call)
+    needs = (("CPU", w.num_cpus), ("GPU", w.num_gpus))
+    fits = [math.floor(room.get(k, 0.0) / n + 1e-9) for k, n in needs if n > 0]
+    return [w] * max(1, min([wanted, *fits]))
 
 
-def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
-    """The placement-group bundles one trial reserves.
+def trial_bundles(
+    cfg: RunConfig, trial_cpus: float, room: Mapping[str, float] | None = None
+) -> list[dict[str, float]]:
+    """The placement-group bundles one trial (a sweep's trial, a suite's run) reserves.
 
     With `engine.executor=serial` the trial process trains every client itself, so it reserves one
     worker's resources. With `ray` it reserves `trial_cpus` for its own (mostly waiting) process,
-    one bundle per worker actor, and one for the server actor when that asks for resources; the
-    actors the trial starts land in these bundles, so concurrent trials never oversubscribe.
+    one bundle per worker actor (`trial_shapes`), and one for the server actor when that asks
+    for resources; the actors the trial starts land in these bundles, so concurrent trials never
+    oversubscribe.
 
     Example:
         >>> from rayfl.config import build_config
@@ -49,27 +60,15 @@ def trial_bundles(cfg: RunConfig, trial_cpus: float) -> list[dict[str, float]]:
         >>> trial_bundles(cfg, 0.5)
         [{'CPU': 0.5}, {'CPU': 1.0}, {'CPU': 1.0}]
     """
+    from rayfl.engine.pool import bundle
+
     e = cfg.engine
-
-    def bundle(res: Any) -> dict[str, float]:
-        return {k: float(v) for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
-
     if e.executor == "serial":
         return [bundle(e.worker_resources)]
     bundles = [{"CPU": float(trial_cpus)}]
-    bundles += [bundle(r) for r in trial_shapes(cfg)]
+    bundles += [bundle(r) for r in trial_shapes(cfg, room)]
     server = bundle(e.server_resources)
-    if server:
-        bundles.append(server)
-    return bundles
-
-
-def _trial_resources(sweep: Sweep, config: dict[str, Any]) -> Any:
-    from ray import tune
-
-    return tune.PlacementGroupFactory(
-        trial_bundles(sweep.config_for(config), sweep.tune.trial_cpus)
-    )
+    return bundles + [server] if server else bundles
 
 
 def _check_fits(sweep: Sweep, strict: bool) -> None:
@@ -153,43 +152,71 @@ def trial_config(job: TrialJob, values: Mapping[str, Any], trial_name: str) -> R
 
 
 def _trainable(config: dict[str, Any], job: TrialJob) -> None:
-    """Tune's function trainable: one simulation, reporting after every evaluated round."""
+    """Tune's function trainable: one simulation (continued, or replayed when it finished,
+    after a restore), reporting after every evaluated round."""
     from ray import tune
 
-    from rayfl.engine.checkpoint import has_checkpoint
-    from rayfl.launch import simulate
+    from rayfl import gate
 
     name = tune.get_context().get_trial_name()
     cfg = trial_config(job, config, name)
-    from rayfl import gate
-
     with gate.Folder(job.out).sub(f"trials/{name}", create=True) as folder:  # no link on the way
         run_dir = folder.path
-    # A restored sweep restarts an unfinished trial; its own checkpoint lets it continue.
+    if not replay(run_dir, job.sweep.tune.metric, tune.report):
+        continue_run(cfg, run_dir, job.parent_run_id, [TuneReport(job.sweep.tune.metric)])
+
+
+def continue_run(
+    cfg: RunConfig, run_dir: Path, parent_run_id: str | None, callbacks: Sequence[Any] = ()
+) -> Any:
+    """Run `cfg` in `run_dir` (a sweep's trial, a suite's run), or continue it there: from its
+    checkpoint when it has one, else from round 1, replacing what an earlier attempt left (its
+    MLflow run deleted, only in the store `cfg` names, so the parent keeps one child per run).
+    """
+    from rayfl import gate
+    from rayfl.engine.checkpoint import has_checkpoint
+    from rayfl.engine.rundir import MLFLOW_RUN, check_mlflow_ref
+    from rayfl.launch import simulate
+
     resume = has_checkpoint(run_dir)
-    simulate(
+    if not resume:
+        try:
+            ref = check_mlflow_ref(run_dir, cfg)
+        except UserError:  # recorded in another store: left alone
+            ref = None
+        if ref is not None:
+            from rayfl.tracking.mlflow import delete_run
+
+            delete_run(ref["run_id"], ref.get("tracking_uri") or None)
+        with gate.Folder(run_dir) as folder:
+            folder.remove(MLFLOW_RUN)
+    return simulate(
         cfg,
         run_dir,
         progress=False,
         resume=resume,
-        parent_run_id=job.parent_run_id,
-        extra_callbacks=[TuneReport(job.sweep.tune.metric)],
-        existing="replace",  # a restored sweep reruns a trial that left no checkpoint
+        parent_run_id=parent_run_id,
+        extra_callbacks=callbacks,
+        existing="replace",
     )
+
+
+def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None]) -> bool:
+    """Report the evaluated rounds of a run that already FINISHED in `run_dir` (it finished
+    after the state a sweep was restored from); False when it did not finish."""
+    from rayfl.engine.rundir import read_summary
+    from rayfl.tables import read_table
+
+    if read_summary(run_dir).get("status") != "FINISHED":
+        return False
+    for row in read_table(run_dir / "metrics.parquet"):
+        if row.get(metric) is not None:
+            report({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
+    return True
 
 
 def _trial_name(trial: Any) -> str:
     return f"trial_{trial.trial_id}"
-
-
-class _ResourcesFor:
-    """Picklable `config -> PlacementGroupFactory` (Tune stores it with the experiment)."""
-
-    def __init__(self, sweep: Sweep) -> None:
-        self.sweep = sweep
-
-    def __call__(self, config: dict[str, Any]) -> Any:
-        return _trial_resources(self.sweep, config)
 
 
 def _max_rounds(sweep: Sweep) -> int:
