@@ -67,7 +67,7 @@ from rayfl.algorithms.heterofl import (
 )
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
-from rayfl.models.zoo import resnet_width
+from rayfl.models.resnet import resnet_width
 from rayfl.schema import setting
 
 log = logging.getLogger(__name__)
