@@ -145,20 +145,10 @@ def final_table(result: Any, wall_s: float) -> str:
             note = "" if chance is None else f"  (chance {chance:.4f})"
             rows.append((key, f"{final[key]:.4f}{note}"))
     rounds = max(1, len(result.history))
-    rows.append(
-        (
-            "comm MB up / down per round",
-            f"{final.get('comm/bytes_up_total', 0) / rounds / 1e6:.3f} / "
-            f"{final.get('comm/bytes_down_total', 0) / rounds / 1e6:.3f}",
-        )
-    )
-    rows.append(
-        (
-            "comm MB up / down total",
-            f"{final.get('comm/bytes_up_total', 0) / 1e6:.2f} / "
-            f"{final.get('comm/bytes_down_total', 0) / 1e6:.2f}",
-        )
-    )
+    up, down = final.get("comm/bytes_up_total", 0), final.get("comm/bytes_down_total", 0)
+    per_round = f"{up / rounds / 1e6:.3f} / {down / rounds / 1e6:.3f}"
+    rows.append(("comm MB up / down per round", per_round))
+    rows.append(("comm MB up / down total", f"{up / 1e6:.2f} / {down / 1e6:.2f}"))
     rows.append(("rounds", f"{len(result.history)}"))
     rejected, replies = rejected_replies(result.history)
     rows.append(("server/rejected", f"{rejected:g} of {replies:g} replies"))
@@ -206,13 +196,10 @@ def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tup
         mean = f"  (client mean {num('personal/acc_mean', AT_BEST_VAL)} ± {ci:.4f})" if ci else ""
         rows.append((label, num("personal/acc", AT_BEST_VAL) + mean))
     for t in targets:
-        rounds = final.get(target_key("rounds", t))
-        reached = (
-            "not reached"
-            if rounds is None
-            else f"round {rounds:g}, {final[target_key('bytes', t)] / 1e6:.2f} MB, "
-            f"{final[target_key('seconds', t)]:.1f} s"
-        )
+        rounds, reached = final.get(target_key("rounds", t)), "not reached"
+        if rounds is not None:
+            mb, secs = final[target_key("bytes", t)] / 1e6, final[target_key("seconds", t)]
+            reached = f"round {rounds:g}, {mb:.2f} MB, {secs:.1f} s"
         rows.append((f"to personal/acc {t:g}", reached))
     return rows
 
