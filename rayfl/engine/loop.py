@@ -374,7 +374,6 @@ class Simulation:
         pending.row["time/wall_s"] = self.wall_s()
         self.result.history.append(pending.row)
         self.result.clients += per_client_rows(self.federation, pending.round, pending.scored)
-        self.last_client_rows = pending.client_rows
         self.last_clients = pending.clients
         for cb in self.callbacks:
             cb.on_round_state(
