@@ -6,7 +6,6 @@ Every error a user can cause ends in one line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import shlex
@@ -17,125 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rayfl.config import build_config, load_config
-from rayfl.errors import UserError
-from rayfl.launch import default_run_dir, simulate
-from rayfl.schema import RunConfig
+from rayfl.config import load_config
+from rayfl.errors import ENVIRONMENT, UserError, environment_error, one_line
+from rayfl.launch import default_run_dir, final_table, rejected_replies, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
+from rayfl.validate import load_cluster, refuse_other_kinds, split_overrides, validate_file
 
 log = logging.getLogger("rayfl")
-
-
-def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
-    width = max(len(k) for k, _ in rows)
-    lines = [title] if title else []
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return "\n".join(lines)
-
-
-def final_table(result: Any, wall_s: float) -> str:
-    cfg: RunConfig = result.config
-    final = result.final
-    rows: list[tuple[str, str]] = accuracy_rows(final, cfg.eval.targets)
-    if "baseline/local_acc" in final:
-        rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
-        rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
-    if "baseline/control_acc" in final:
-        rows.append(("no-federation control acc", f"{final['baseline/control_acc']:.4f}"))
-        gain = final["baseline/federated_gain_points"]
-        rows.append(("federated gain over control (points)", f"{gain:+.2f}"))
-    for key in (
-        "proxy/acc",
-        "global/acc",
-        "pfedes/kl_local_proxy",
-        "fedfd/distill_loss",
-        "privacy/epsilon",
-    ):
-        if key in final:
-            chance = final.get("proxy/chance") if key == "proxy/acc" else None
-            note = "" if chance is None else f"  (chance {chance:.4f})"
-            rows.append((key, f"{final[key]:.4f}{note}"))
-    rounds = max(1, len(result.history))
-    rows.append(
-        (
-            "comm MB up / down per round",
-            f"{final.get('comm/bytes_up_total', 0) / rounds / 1e6:.3f} / "
-            f"{final.get('comm/bytes_down_total', 0) / rounds / 1e6:.3f}",
-        )
-    )
-    rows.append(
-        (
-            "comm MB up / down total",
-            f"{final.get('comm/bytes_up_total', 0) / 1e6:.2f} / "
-            f"{final.get('comm/bytes_down_total', 0) / 1e6:.2f}",
-        )
-    )
-    rows.append(("rounds", f"{len(result.history)}"))
-    rejected, replies = rejected_replies(result.history)
-    rows.append(("server/rejected", f"{rejected:g} of {replies:g} replies"))
-    mean_round = sum(r["time/round_s"] for r in result.history) / rounds
-    rows.append(("seconds per round (mean)", f"{mean_round:.2f}"))
-    rows.append(("wall time s", f"{wall_s:.1f}"))
-    title = (
-        f"{cfg.name}: {cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
-        f"seed {cfg.seed}, status {result.status}"
-    )
-    from rayfl.engine.callbacks import proxy_health
-
-    warning = proxy_health(cfg, result.history)
-    return format_table(rows, title) + (f"\n  {warning}" if warning else "")
-
-
-def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
-    """The final table's accuracy lines: the last round's personalized accuracy with the 95%
-    confidence interval of the client mean, its other statistics and losses, per architecture;
-    the test accuracy at the round chosen on validation (never a round chosen on test data);
-    the rounds, bytes and seconds to each `eval.targets` accuracy, or "not reached"."""
-    from rayfl.engine.metrics import AT_BEST_VAL, target_key
-
-    def num(key: str, prefix: str = "") -> str:
-        value = final.get(prefix + key)
-        return "-" if value is None else f"{value:.4f}"
-
-    rows = [("last round: personal/acc", num("personal/acc"))]
-    if "personal/acc_ci95" in final:
-        rows.append(
-            ("  client mean ± 95% CI", f"{num('personal/acc_mean')} ± {num('personal/acc_ci95')}")
-        )
-    for key in ("personal/acc_std", "personal/acc_worst10", "personal/loss"):
-        if key in final:
-            rows.append((f"  {key}", num(key)))
-    for key in ("personal/val_acc", "personal/val_loss"):
-        if key in final:
-            rows.append((f"  {key} (validation)", num(key)))
-    for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
-        rows.append((f"  {key}", num(key)))
-    if AT_BEST_VAL + "round" in final:
-        chosen = int(final[AT_BEST_VAL + "round"])
-        label = f"at best validation round ({chosen}): personal/acc"
-        ci = final.get(AT_BEST_VAL + "personal/acc_ci95")
-        mean = f"  (client mean {num('personal/acc_mean', AT_BEST_VAL)} ± {ci:.4f})" if ci else ""
-        rows.append((label, num("personal/acc", AT_BEST_VAL) + mean))
-    for t in targets:
-        rounds = final.get(target_key("rounds", t))
-        reached = (
-            "not reached"
-            if rounds is None
-            else f"round {rounds:g}, {final[target_key('bytes', t)] / 1e6:.2f} MB, "
-            f"{final[target_key('seconds', t)]:.1f} s"
-        )
-        rows.append((f"to personal/acc {t:g}", reached))
-    return rows
-
-
-def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]:
-    """Replies the server rejected (non-finite or empty) and replies received, over the run."""
-    rejected = sum(r.get("server/rejected", 0.0) for r in history)
-    replies = sum(r.get("clients", 0.0) for r in history)
-    return rejected, replies
-
-
-# ------------------------------------------------------------------------------------ commands
 
 
 class Interrupted(KeyboardInterrupt):
@@ -171,6 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(path, overrides)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     start = time.perf_counter()
+    again = shlex.join(["rayfl", "run", "--resume", str(run_dir)])
     try:
         result = simulate(
             cfg,
@@ -181,15 +69,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         raise Interrupted(
-            f"the run directory keeps its last checkpoint; resume with: "
-            f"{shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
+            f"the run directory keeps its last checkpoint; resume with: {again}"
         ) from None
     except OSError as exc:
         if exc.errno not in ENVIRONMENT:
             raise
         raise UserError(
             f"{environment_error(exc)} (the run directory keeps its last checkpoint); once "
-            f"fixed, resume with: {shlex.join(['rayfl', 'run', '--resume', str(run_dir)])}"
+            f"fixed, resume with: {again}"
         ) from None
     print(final_table(result, time.perf_counter() - start))
     print(f"run directory: {run_dir}")
@@ -206,52 +93,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_ls_runs(args: argparse.Namespace) -> int:
     import contextlib
 
-    from rayfl.engine.rundir import list_runs
+    from rayfl.engine.rundir import list_runs, runs_table
     from rayfl.gate import untrusted
 
     with untrusted() if args.untrusted else contextlib.nullcontext():
         runs = list_runs(Path(args.dir))
-    if not runs:
-        print(f"no run directories in {args.dir}")
-        return 0
-    width = max(len(str(r.path)) for r in runs)
-    print(f"{'run directory'.ljust(width)}  {'status':8s}  rounds  personal/acc")
-    for r in runs:
-        metric = "-" if r.metric is None else f"{r.metric:.4f}"
-        status = r.status if r.owner is None else f"{r.status} (pid {r.owner})"
-        print(f"{str(r.path).ljust(width)}  {status:8s}  {r.rounds:6d}  {metric}")
+    print(runs_table(runs) if runs else f"no run directories in {args.dir}")
     return 0
-
-
-# the file kinds that are not one run, by their top-level key: (what it is, the command to use)
-OTHER_KINDS = {
-    "suite": ("a comparison suite (algorithms x seeds)", "rayfl compare"),
-    "sweep": ("a hyperparameter sweep", "rayfl tune"),
-    "bench": ("a benchmark", "python3 experiments/benchmarks/bench.py"),
-}
-
-
-def refuse_other_kinds(path: Path) -> None:
-    """`rayfl run` on a suite, sweep or benchmark file: one line naming the command to use."""
-    from rayfl.clusterconfig import is_cluster_file
-    from rayfl.config import read_yaml
-
-    raw = read_yaml(path)
-    for key, (what, command) in OTHER_KINDS.items():
-        if key in raw:
-            raise UserError(f"{path} is {what}, not one run; run it with: {command} {path}")
-    if is_cluster_file(raw):
-        raise UserError(
-            f"{path} is a Ray cluster launcher file, not a run; start the cluster with "
-            f"ray up {path}, then run experiments with engine.address=auto"
-        )
-
-
-def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Positional arguments -> (files, key=value overrides): an argument with `=` that is not an
-    existing file is an override."""
-    files = [a for a in args if "=" not in a or Path(a).exists()]
-    return files, [a for a in args if a not in files]
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -272,130 +120,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_cluster(path: str | Path) -> Any:
-    """The `rayfl.clusterconfig.ClusterSize` of the cluster launcher file `--cluster` names."""
-    from rayfl.clusterconfig import cluster_size, validate_cluster_config
-
-    return cluster_size(validate_cluster_config(path), path)
-
-
-def validate_file(
-    path: str | Path,
-    overrides: Sequence[str] = (),
-    cluster: Any = None,
-    notes: list[str] | None = None,
-) -> str:
-    """Validate a run, suite, sweep, benchmark or Ray cluster launcher file; return a one-line
-    description.
-
-    Every check that needs no Ray is made, so that `rayfl run` does not stop on one after
-    starting Ray: with `cluster` (a `rayfl.clusterconfig.ClusterSize`, `--cluster FILE`) the
-    runs' workers and server must fit that cluster at its maximum size; without it, a local
-    run (no `engine.address`) that this machine cannot place (a GPU asked of a machine without
-    one) adds a warning to `notes`.
-
-    Raises:
-        UserError: a problem in the file, or runs that can never be placed (one line).
-    """
-    from rayfl.config import read_yaml
-
-    raw = read_yaml(path)
-    from rayfl.clusterconfig import describe_cluster, is_cluster_file, validate_cluster_config
-
-    if is_cluster_file(raw):
-        return describe_cluster(validate_cluster_config(path))
-    configs: list[Any]
-    if "suite" in raw:
-        from rayfl.compare import load_suite
-
-        suite = load_suite(path, overrides)
-        configs, describe = [r.config for r in suite.runs], f"suite of {len(suite.runs)} runs"
-    elif "sweep" in raw:
-        from rayfl.tune import load_sweep
-
-        sweep = load_sweep(path, overrides)
-        configs, describe = [sweep.config], f"sweep over {', '.join(sweep.space)}"
-    else:
-        # a benchmark's base is one run (its variants: experiments/benchmarks/bench.py)
-        bench = raw.pop("bench", None) is not None
-        cfg = build_config(raw, overrides)
-        from rayfl.checks import check_family
-
-        archs = check_family(cfg)
-        configs = [cfg]
-        describe = (
-            f"{'benchmark: ' if bench else ''}{cfg.algorithm.name} on {cfg.data.dataset}, "
-            f"{cfg.data.num_clients} clients, {len(set(archs))} architectures"
-        )
-    check_placement(configs, cluster, notes)
-    for cfg in configs:  # valid settings an algorithm knows to be pointless (`Params.notes`)
-        for note in getattr(cfg.algorithm.params, "notes", list)():
-            if notes is not None and note not in notes:
-                notes.append(note)
-    return describe
-
-
-def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | None) -> None:
-    """The resource checks of `validate_file` over each distinct engine section of `configs`."""
-    from rayfl.resources import check_cluster, local_note
-
-    seen: list[Any] = []
-    for cfg in configs:
-        if cfg.engine in seen:
-            continue
-        seen.append(cfg.engine)
-        if cluster is not None:
-            check_cluster(cfg.engine, cluster)
-        elif notes is not None and (note := local_note(cfg.engine)) and note not in notes:
-            notes.append(note)
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
-    from rayfl.algorithms import ALGORITHMS
-    from rayfl.data import DATASETS, PARTITIONERS
-    from rayfl.models import FAMILIES, MODELS
+    from rayfl.describe import listing
 
-    if args.name == "partitioners":
-        print(_partitioners_text())
-        return 0
-    if args.name is not None:
-        from rayfl.describe import describe
-
-        print(describe(args.name))
-        return 0
-
-    print("algorithms:")
-    for name, algo in ALGORITHMS.items():
-        print(f"  {name:12s} {algo.summary}")
-    print("models:      " + ", ".join(MODELS.names()))
-    print("families:")
-    for name, fam in FAMILIES.items():
-        print(f"  {name:14s} {', '.join(fam.architectures)}")
-    print("datasets:    " + ", ".join(DATASETS.names()))
-    print("partitioners: " + ", ".join(PARTITIONERS.names()))
-    print("feature shift: data.domains (`rayfl ls partitioners` lists its transformations)")
-    print("`rayfl ls NAME` shows an algorithm's keys (or a section's: engine, train, data, ...)")
+    print(listing(args.name))
     return 0
-
-
-def _partitioners_text() -> str:
-    """`rayfl ls partitioners`: label partitioners and the feature-shift options, one line each."""
-    import inspect
-
-    from rayfl.data import PARTITIONERS, transforms
-
-    lines = ["label partitioners (data.partition.name):"]
-    for name, fn in PARTITIONERS.items():
-        lines.append(f"  {name:14s} {(inspect.getdoc(fn) or '').splitlines()[0]}")
-    lines += [
-        "feature shift (data.domains; composes with any label partitioner):",
-        "  noise: X           NIID-Bench feature skew: client i gets Gaussian noise, std X*i/N",
-        "  held_out: RECIPE   that domain's clients are only evaluated (domain generalization)",
-        "  clients_per_domain, proportions: how many clients each domain gets (default: equal)",
-        "domains (data.domains.transforms: one domain per recipe; `folder` datasets bring theirs):",
-        *transforms.describe(),
-    ]
-    return "\n".join(lines)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -465,16 +194,18 @@ EXAMPLES = {
 }
 
 OVERRIDES_HELP = "dotted key=value overrides parsed as YAML, e.g. engine.rounds=5"
+UNTRUSTED_HELP = "read a folder your rayfl did not write (a colleague's): bounded, changes nothing"
+
+
+PLUGIN_HELP = (
+    "a .py file or module that registers algorithms, models or datasets (repeatable; "
+    "see docs/your_algorithm.md)"
+)
 
 
 def _plugin_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="FILE_OR_MODULE",
-        help="a .py file or module that registers algorithms, models or datasets (repeatable; "
-        "see docs/your_algorithm.md)",
+        "--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help=PLUGIN_HELP
     )
 
 
@@ -492,16 +223,9 @@ class Parser(argparse.ArgumentParser):
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """The command line -> its arguments, with options and positional arguments in any order:
-    `rayfl run CONFIG --out DIR engine.rounds=2` as `rayfl run CONFIG engine.rounds=2 --out DIR`.
-
     argparse fills a command's positional lists from the first run of positional arguments only;
     those after an option come back unrecognized and are appended here, in their order, to the
-    command's list (`overrides`, or `validate`'s files and overrides).
-
-    Raises:
-        UsageError: an unknown option, a missing argument, or extra arguments to a command that
-            takes none.
-    """
+    command's list (`overrides`, or `validate`'s files and overrides). A UsageError otherwise."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     target = "configs" if args.command == "validate" else "overrides"
@@ -582,11 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "ls-runs", "list run directories with status, rounds and metric (marks killed runs)"
     )
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
-    p.add_argument(
-        "--untrusted",
-        action="store_true",
-        help="read a folder your rayfl did not write (a colleague's): bounded, changes nothing",
-    )
+    p.add_argument("--untrusted", action="store_true", help=UNTRUSTED_HELP)
     p.set_defaults(fn=cmd_ls_runs)
 
     p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
@@ -613,11 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
     )
     p.add_argument("--out", help="the HTML file (default DIR/report.html)")
-    p.add_argument(
-        "--untrusted",
-        action="store_true",
-        help="read a folder your rayfl did not write (a colleague's): bounded, changes nothing",
-    )
+    p.add_argument("--untrusted", action="store_true", help=UNTRUSTED_HELP)
     p.set_defaults(fn=cmd_report)
     return parser
 
@@ -652,9 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rayfl: error: {environment_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        hint = (
-            exc.resume_hint if isinstance(exc, Interrupted) else "the run keeps its last checkpoint"
-        )
+        hint = "the run keeps its last checkpoint"
+        hint = exc.resume_hint if isinstance(exc, Interrupted) else hint
         print(f"rayfl: interrupted; {hint}", file=sys.stderr)
         return 130
     finally:
@@ -676,26 +391,6 @@ def entry() -> NoReturn:
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run like Ctrl-C: the checkpoint stays intact and the resume hint is printed."""
     raise KeyboardInterrupt
-
-
-# what the machine refused, not what rayfl got wrong: a full disk, a quota, a read-only or
-# forbidden folder
-ENVIRONMENT = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def environment_error(exc: OSError) -> str:
-    """One line for an `ENVIRONMENT` error: what failed, and where."""
-    where = f" writing {exc.filename}" if exc.filename else ""
-    return f"{exc.strerror or exc}{where}"
-
-
-def one_line(exc: BaseException) -> str:
-    """The user's message of an error, also when Ray wrapped it (an error raised in an actor)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, UserError):
-        exc = cause
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ checks across keys and against what the run will need come last (`rayfl.config_c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -41,7 +42,6 @@ from rayfl.schema import (  # noqa: F401 (the schema's names, re-exported for ca
     TrackingConfig,
     TrainConfig,
     clients_per_round,
-    per_round,
     range_of,
     server_in_driver,
     to_dict,
@@ -80,7 +80,7 @@ def set_dotted(raw: dict[str, Any], path: Sequence[str], value: Any, where: str)
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of the nested dict `raw` with dotted overrides applied."""
-    out = _deepcopy(raw)
+    out = copy.deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
         set_dotted(out, path, value, f"override {text!r}")
@@ -146,18 +146,6 @@ def resolve_base_file(name: Any, referrer: Path, key: str = "base") -> Path:
         f"{referrer}: {key}: {name} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
         "give a path relative to that file or to the repository root"
     )
-
-
-def _deepcopy(d: Any) -> Any:
-    if isinstance(d, Mapping):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deepcopy(v) for v in d]
-    return d
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
 def _options(tp: Any) -> list[str]:
@@ -233,7 +221,7 @@ def convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
-    raise TypeError(f"unsupported config type {_type_name(tp)} for {key}")
+    raise TypeError(f"unsupported config type {tp} for {key}")
 
 
 BIG_INTS = {"privacy.dp.noise_seed"}  # a 128-bit secret drawn from the OS (`rayfl.privacy.dp`)
@@ -383,22 +371,3 @@ def _check_explicit(algo_cfg: AlgorithmConfig, explicit: set[str]) -> None:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a YAML experiment file and apply `key=value` overrides."""
     return build_config(read_yaml(path), overrides)
-
-
-def ray_preview(
-    raw: Mapping[str, Any], overrides: Sequence[str] = ()
-) -> tuple[EngineConfig, int] | None:
-    """The engine settings and clients per round of a Ray run, read from the file and overrides
-    without the registries (so without importing torch), so that `rayfl run` can start Ray
-    while the whole config is checked. None when the run is not on Ray or these sections do not
-    read (the whole check then names the problem)."""
-    try:
-        merged = apply_overrides(dict(raw), overrides)
-        hints = typing.get_type_hints(RunConfig)
-        engine = convert(merged.get("engine") or {}, hints["engine"], "engine")
-        data = convert(merged.get("data") or {}, hints["data"], "data")
-    except ConfigError:
-        return None
-    if engine.executor != "ray":
-        return None
-    return engine, per_round(engine, data.num_clients)

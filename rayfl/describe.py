@@ -1,4 +1,5 @@
-"""`rayfl ls NAME`: an algorithm's (or a config section's) keys, defaults and one line of help each.
+"""`rayfl ls [NAME]`: what is registered, or an algorithm's (or a config section's) keys,
+defaults and one line of help each.
 
 The help of a key is its field's metadata, declared with `rayfl.schema.setting` (the config
 sections and the algorithms' `Params` alike), so the schema is the one place that documents it.
@@ -86,4 +87,45 @@ def describe(name: str) -> str:
         "keys (in the YAML's algorithm section, or algorithm.KEY=VALUE on the command line):"
     )
     lines += describe_fields(algo.params, "algorithm.")
+    return "\n".join(lines)
+
+
+def listing(name: str | None) -> str:
+    """`rayfl ls [NAME]`: what is registered, or NAME's keys (`describe`)."""
+    from rayfl.algorithms import ALGORITHMS
+    from rayfl.data import DATASETS, PARTITIONERS
+    from rayfl.models import FAMILIES, MODELS
+
+    if name == "partitioners":
+        return _partitioners_text()
+    if name is not None:
+        return describe(name)
+    lines = ["algorithms:"]
+    lines += [f"  {n:12s} {algo.summary}" for n, algo in ALGORITHMS.items()]
+    lines += ["models:      " + ", ".join(MODELS.names()), "families:"]
+    lines += [f"  {n:14s} {', '.join(fam.architectures)}" for n, fam in FAMILIES.items()]
+    lines += [
+        "datasets:    " + ", ".join(DATASETS.names()),
+        "partitioners: " + ", ".join(PARTITIONERS.names()),
+        "feature shift: data.domains (`rayfl ls partitioners` lists its transformations)",
+        "`rayfl ls NAME` shows an algorithm's keys (or a section's: engine, train, data, ...)",
+    ]
+    return "\n".join(lines)
+
+
+def _partitioners_text() -> str:
+    """`rayfl ls partitioners`: label partitioners and the feature-shift options, one line each."""
+    from rayfl.data import PARTITIONERS, transforms
+
+    lines = ["label partitioners (data.partition.name):"]
+    for name, fn in PARTITIONERS.items():
+        lines.append(f"  {name:14s} {(inspect.getdoc(fn) or '').splitlines()[0]}")
+    lines += [
+        "feature shift (data.domains; composes with any label partitioner):",
+        "  noise: X           NIID-Bench feature skew: client i gets Gaussian noise, std X*i/N",
+        "  held_out: RECIPE   that domain's clients are only evaluated (domain generalization)",
+        "  clients_per_domain, proportions: how many clients each domain gets (default: equal)",
+        "domains (data.domains.transforms: one domain per recipe; `folder` datasets bring theirs):",
+        *transforms.describe(),
+    ]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import re
 from collections.abc import Iterable
 
@@ -47,3 +48,23 @@ def check_name(value: object, key: str) -> None:
         f"{value!r:.60} is not a name: use 1-100 letters, digits and _.+=,@- (starting with a "
         "letter, digit or _)",
     )
+
+
+# what the machine refused, not what rayfl got wrong: a full disk, a quota, a read-only or
+# forbidden folder
+ENVIRONMENT = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def environment_error(exc: OSError) -> str:
+    """One line for an `ENVIRONMENT` error: what failed, and where."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def one_line(exc: BaseException) -> str:
+    """The user's message of an error, also when Ray wrapped it (an error raised in an actor)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UserError):
+        exc = cause
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,5 +1,6 @@
 """Building and running one simulation from a config: the one road that `rayfl run`, suites,
-sweeps and benchmarks take. The CLI only parses arguments and prints what this returns.
+sweeps and benchmarks take, and the final table `rayfl run` prints. The CLI only parses
+arguments and prints what this returns.
 
 Ray and the engine are imported inside the functions that need them, so importing this module
 (as `rayfl validate` does) starts and imports nothing heavy.
@@ -112,3 +113,99 @@ def _simulate_locked(
     result.run_dir = run_dir
     result.tracker_run_id = run_id
     return result
+
+
+def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
+    width = max(len(k) for k, _ in rows)
+    lines = [title] if title else []
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def final_table(result: Any, wall_s: float) -> str:
+    cfg: RunConfig = result.config
+    final = result.final
+    rows: list[tuple[str, str]] = accuracy_rows(final, cfg.eval.targets)
+    if "baseline/local_acc" in final:
+        rows.append(("local-only acc, same partition", f"{final['baseline/local_acc']:.4f}"))
+        rows.append(("gain over local (points)", f"{final['baseline/gain_points']:+.2f}"))
+    if "baseline/control_acc" in final:
+        rows.append(("no-federation control acc", f"{final['baseline/control_acc']:.4f}"))
+        gain = final["baseline/federated_gain_points"]
+        rows.append(("federated gain over control (points)", f"{gain:+.2f}"))
+    for key in (
+        "proxy/acc",
+        "global/acc",
+        "pfedes/kl_local_proxy",
+        "fedfd/distill_loss",
+        "privacy/epsilon",
+    ):
+        if key in final:
+            chance = final.get("proxy/chance") if key == "proxy/acc" else None
+            note = "" if chance is None else f"  (chance {chance:.4f})"
+            rows.append((key, f"{final[key]:.4f}{note}"))
+    rounds = max(1, len(result.history))
+    up, down = final.get("comm/bytes_up_total", 0), final.get("comm/bytes_down_total", 0)
+    per_round = f"{up / rounds / 1e6:.3f} / {down / rounds / 1e6:.3f}"
+    rows.append(("comm MB up / down per round", per_round))
+    rows.append(("comm MB up / down total", f"{up / 1e6:.2f} / {down / 1e6:.2f}"))
+    rows.append(("rounds", f"{len(result.history)}"))
+    rejected, replies = rejected_replies(result.history)
+    rows.append(("server/rejected", f"{rejected:g} of {replies:g} replies"))
+    mean_round = sum(r["time/round_s"] for r in result.history) / rounds
+    rows.append(("seconds per round (mean)", f"{mean_round:.2f}"))
+    rows.append(("wall time s", f"{wall_s:.1f}"))
+    title = (
+        f"{cfg.name}: {cfg.algorithm.name} on {cfg.data.dataset}, {cfg.data.num_clients} clients, "
+        f"seed {cfg.seed}, status {result.status}"
+    )
+    from rayfl.engine.callbacks import proxy_health
+
+    warning = proxy_health(cfg, result.history)
+    return format_table(rows, title) + (f"\n  {warning}" if warning else "")
+
+
+def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
+    """The final table's accuracy lines: the last round's personalized accuracy with the 95%
+    confidence interval of the client mean, its other statistics and losses, per architecture;
+    the test accuracy at the round chosen on validation (never a round chosen on test data);
+    the rounds, bytes and seconds to each `eval.targets` accuracy, or "not reached"."""
+    from rayfl.engine.metrics import AT_BEST_VAL, target_key
+
+    def num(key: str, prefix: str = "") -> str:
+        value = final.get(prefix + key)
+        return "-" if value is None else f"{value:.4f}"
+
+    rows = [("last round: personal/acc", num("personal/acc"))]
+    if "personal/acc_ci95" in final:
+        rows.append(
+            ("  client mean ± 95% CI", f"{num('personal/acc_mean')} ± {num('personal/acc_ci95')}")
+        )
+    for key in ("personal/acc_std", "personal/acc_worst10", "personal/loss"):
+        if key in final:
+            rows.append((f"  {key}", num(key)))
+    for key in ("personal/val_acc", "personal/val_loss"):
+        if key in final:
+            rows.append((f"  {key} (validation)", num(key)))
+    for key in sorted(k for k in final if k.startswith("personal/acc/arch=")):
+        rows.append((f"  {key}", num(key)))
+    if AT_BEST_VAL + "round" in final:
+        chosen = int(final[AT_BEST_VAL + "round"])
+        label = f"at best validation round ({chosen}): personal/acc"
+        ci = final.get(AT_BEST_VAL + "personal/acc_ci95")
+        mean = f"  (client mean {num('personal/acc_mean', AT_BEST_VAL)} ± {ci:.4f})" if ci else ""
+        rows.append((label, num("personal/acc", AT_BEST_VAL) + mean))
+    for t in targets:
+        rounds, reached = final.get(target_key("rounds", t)), "not reached"
+        if rounds is not None:
+            mb, secs = final[target_key("bytes", t)] / 1e6, final[target_key("seconds", t)]
+            reached = f"round {rounds:g}, {mb:.2f} MB, {secs:.1f} s"
+        rows.append((f"to personal/acc {t:g}", reached))
+    return rows
+
+
+def rejected_replies(history: Sequence[dict[str, float]]) -> tuple[float, float]:
+    """Replies the server rejected (non-finite or empty) and replies received, over the run."""
+    rejected = sum(r.get("server/rejected", 0.0) for r in history)
+    replies = sum(r.get("clients", 0.0) for r in history)
+    return rejected, replies

@@ -179,30 +179,6 @@ def test_every_shipped_yaml_validates():
         assert validate_file(path)
 
 
-def test_the_ray_preview_is_the_engine_the_whole_check_builds(synthetic_raw):
-    # `rayfl run` starts Ray from the preview; the run reuses that start only when the preview
-    # equals what build_config makes of the same file and overrides (else Ray starts twice).
-    from rayfl.config import clients_per_round, ray_preview, read_yaml
-
-    checked = 0
-    for path in sorted((ROOT / "experiments").rglob("*.yaml")):
-        raw = read_yaml(path)
-        raw.pop("bench", None)  # a benchmark's base is a run's config
-        if set(raw) & {"suite", "sweep"}:
-            continue  # not a single run's file
-        for overrides in ([], ["engine.executor=ray", "engine.fraction=0.5"]):
-            preview = ray_preview(raw, overrides)
-            cfg = build_config(raw, overrides)
-            if cfg.engine.executor != "ray":
-                assert preview is None
-                continue
-            assert preview == (cfg.engine, clients_per_round(cfg)), path
-            checked += 1
-    assert checked >= 10
-    assert ray_preview(synthetic_raw, ["engine.executor=serial"]) is None
-    assert ray_preview(synthetic_raw, ["engine.fraction=oops"]) is None  # the check will say why
-
-
 @pytest.mark.parametrize(
     "overrides,key",
     [

@@ -28,6 +28,7 @@ from rayfl.algorithms import (  # noqa: F401  (registration)
     lg_fedavg,
     local,
     pfedes,
+    pfedes_input,
 )
 from rayfl.algorithms.base import ALGORITHMS, Algorithm, Client, Reply, Server
 

@@ -2,10 +2,6 @@
 Learning" (NeurIPS 2025; arXiv 2507.10348). FedDF, the logit-distillation setting of the same
 server, is registered in `rayfl.algorithms.feddf`.
 
-Longer than the 200-line house limit because the paper's idea is three parts that only make sense
-together: the projections (orthogonal by construction, with their check), the group-wise feature
-KL, and the server's distillation over the round's ensemble.
-
 Clients are width levels of ResNet-18 trained with cross-entropy, exactly as in HeteroFL
 (`rayfl.algorithms.heterofl`); the server aggregates the slices per entry, then distils the
 ensemble of the round's client models into its full-width global model on the public
@@ -59,7 +55,6 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     ServerData,
-    TrainConfig,
     load_numpy,
     to_numpy,
 )
@@ -72,22 +67,10 @@ from rayfl.algorithms.heterofl import (
 )
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
-from rayfl.models.zoo import resnet_width
+from rayfl.models.resnet import resnet_width
 from rayfl.schema import setting
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "FedFDClient",
-    "FedFDParams",
-    "FedFDServer",
-    "LinearProjection",
-    "OrthogonalProjection",
-    "build_projection",
-    "check_fedfd_family",
-    "feature_distill_loss",
-    "orthogonality_error",
-]
 
 
 @dataclass(frozen=True)
@@ -132,9 +115,7 @@ class FedFDParams(HeteroFLParams):
         )
 
 
-# ------------------------------------------------------------------------------------------------
-# projections and the loss
-# ------------------------------------------------------------------------------------------------
+# -- projections and the loss --------------------------------------------------------------------
 
 
 class OrthogonalProjection(nn.Module):
@@ -143,11 +124,7 @@ class OrthogonalProjection(nn.Module):
     `exp` of a skew-symmetric matrix is orthogonal (`exp(S) exp(S)^T = exp(S - S) = I`), so the
     rows of `M` are orthonormal when `out_dim <= in_dim` (its columns otherwise) after any update
     of the free parameter `A` (only its strict upper triangle is used). `A = 0` gives the leading
-    identity block.
-
-    Args:
-        in_dim: size of the global model's features.
-        out_dim: size of the group's features.
+    identity block. `in_dim`: the global model's feature size; `out_dim`: the group's.
     """
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
@@ -180,11 +157,8 @@ class LinearProjection(nn.Module):
 
 
 def build_projection(kind: str, in_dim: int, out_dim: int, arch: str = "?") -> nn.Module:
-    """The projection of kind `orthogonal`, `linear` or `identity` from `in_dim` to `out_dim` features.
-
-    Raises:
-        ConfigError: `identity` between different sizes.
-    """
+    """The projection of kind `orthogonal`, `linear` or `identity` (equal sizes only) from
+    `in_dim` to `out_dim` features."""
     if kind == "orthogonal":
         return OrthogonalProjection(in_dim, out_dim)
     if kind == "linear":
@@ -202,12 +176,7 @@ def build_projection(kind: str, in_dim: int, out_dim: int, arch: str = "?") -> n
 
 
 def check_fedfd_family(archs: Sequence[str], params: FedFDParams) -> None:
-    """HeteroFL's width checks plus `projection=identity`'s equal feature sizes; builds no model.
-
-    Raises:
-        ConfigError: a client that is not a width slice of the global model, or an identity
-            projection to a client of another width.
-    """
+    """HeteroFL's width checks plus `projection=identity`'s equal feature sizes; builds no model."""
     check_width_family(archs, params)
     if params.projection == "identity" and params.distill != "logit":
         global_width = resnet_width(params.global_arch)
@@ -242,14 +211,8 @@ def feature_distill_loss(
 ) -> torch.Tensor:
     """FedFD's loss: mean over the groups in `targets` of `T^2 KL(softmax(e^d/T) || softmax(M_d z/T))`.
 
-    Args:
-        global_features: `(batch, d_global)` features `z` of the global model.
-        projections: one module per group mapping `z` to the group's feature size.
-        targets: per group, the `(batch, d_group)` mean features of its client extractors.
-        temperature: the softmax temperature over feature dimensions.
-
-    Returns:
-        The scalar loss (batch mean of each KL, then the mean over groups).
+    `global_features` are the global model's `(batch, d_global)` features `z`; `projections` map
+    them to each group's size; `targets` are each group's `(batch, d_group)` mean client features.
     """
     if not targets:
         raise ValueError("feature distillation needs at least one group target")
@@ -259,9 +222,7 @@ def feature_distill_loss(
     return torch.stack(losses).mean()
 
 
-# ------------------------------------------------------------------------------------------------
-# the two halves
-# ------------------------------------------------------------------------------------------------
+# -- the two halves ------------------------------------------------------------------------------
 
 
 class FedFDClient(HeteroFLClient[FedFDParams]):
@@ -329,13 +290,6 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         means = {arch: feats[arch] / counts[arch] for arch in sorted(feats)}
         return means, (logits / len(replies) if logits is not None else None)
 
-    def _settings(self) -> TrainConfig:
-        """The distillation optimizer: FedFD's own, with the run's weight decay and no clipping."""
-        p = self.params
-        return replace(
-            self.ctx.train, optimizer=p.optimizer, lr=p.lr, momentum=p.momentum, grad_clip=None
-        )
-
     def distil(
         self,
         data: ServerData,
@@ -346,14 +300,18 @@ class FedFDServer(HeteroFLServer[FedFDParams]):
         lr: float | None = None,
     ) -> dict[str, float]:
         """`steps` (default `params.steps`) minibatches of distillation of the global model and
-        the projections at `lr` (default `params.lr`); returns extra metrics (none here)."""
-        settings = self._settings()
+        the projections at `lr` (default `params.lr`); returns extra metrics (none here).
+        FedFD's own optimizer, with the run's weight decay and no clipping."""
+        p = self.params
+        lr = p.lr if lr is None else lr
         data.run(
             step,
             [self.model, self.projections],
-            steps=self.params.steps if steps is None else steps,
+            steps=p.steps if steps is None else steps,
             params=list(self.model.parameters()) + list(self.projections.parameters()),
-            settings=settings if lr is None else replace(settings, lr=lr),
+            settings=replace(
+                self.ctx.train, optimizer=p.optimizer, lr=lr, momentum=p.momentum, grad_clip=None
+            ),
             data=tensors,
             batch_size=size,
         )

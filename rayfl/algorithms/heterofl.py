@@ -49,8 +49,8 @@ from rayfl.algorithms.base import (
 )
 from rayfl.errors import ConfigError, require
 from rayfl.models.base import SplitModel
+from rayfl.models.resnet import ResNet18, resnet_width
 from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
-from rayfl.models.zoo import ResNet18, resnet_width
 from rayfl.schema import setting
 
 __all__ = [

@@ -1,8 +1,9 @@
 """pFedES: Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
 Personalized Federated Learning" (AAAI 2025; arXiv 2311.06879).
 
-Two variants (see ALGORITHMS.md), one client class each, chosen by `algorithm.variant` through
-the `VARIANTS` table (a new variant is one `register_variant` call):
+Variants (see ALGORITHMS.md), one client class each, chosen by `algorithm.variant` through the
+`VARIANTS` table (a new variant is one `register_variant` call): `kd` here, `input` (the official
+code's) in `rayfl.algorithms.pfedes_input`, `stats` in `rayfl.algorithms.pfedes_stats`.
 - `kd` (the design document's, default): each client trains its private local model with CE and a
   small global proxy CNN by distilling the local model's detached logits into it
   (`ce + alpha * T^2 KL(proxy || local.detach())`). Optional return path `beta`: the local model also
@@ -11,34 +12,16 @@ the `VARIANTS` table (a new variant is one `register_variant` call):
   unweighted KD loss; alpha weights the reported loss. Under the document's single objective
   and learning rate (`alpha_scales_proxy: true`) alpha, touching no other gradient, only shrinks
   the proxy's step, and with the document's alpha 0.1 the shared proxy stays at chance.
-- `input` (the official code): a tiny image-to-image proxy G before the local model F. Stage 1
-  trains F on `(1-mu) CE(F(x)) + mu CE(F(G(x)))` with G frozen; stage 2 trains G on `CE(F(G(x)))`
-  with F frozen for `proxy_epochs` (official: local_epochs + 10). Inference uses F alone.
-  Deviation for models with batch norm (the official CNNs have none): F's proxied pass leaves
-  its running statistics alone, so they describe the images F is scored on, not a mix of x
-  and G(x); otherwise a batch-norm model scored on x normalizes with G(x)'s statistics.
-  Two quirks of the official code (LipingYi/pFedES `pFedES_mh.py`) are options, off by default:
-  `shared_optimizer: true` keeps ONE SGD momentum state for G across clients and rounds (the
-  official `optimizer_gen` is built once); in a federation whose clients train in parallel the
-  buffer travels with the proxy: the server broadcasts it, every client continues from it, and
-  the server averages the clients' final buffers with the proxy's weights. (The official loop
-  also hands it from one client to the next within a round, a sequential chain that parallel
-  clients have no counterpart of.) `weights: all` weighs each client's proxy by all of its
-  samples, train and test (official: train + val + test), instead of its training samples.
-  The official code also starts every client of an architecture from the same weights; rayfl
-  initializes each client from its own seed.
 
-Both variants score the global proxy they *received* (a frozen copy kept before local training):
-`pfedes/proxy_acc` on the client's test split (kd: the proxy's own head; input: F after G), and
-for kd `pfedes/kl_local_proxy`, the KL between the local model's and that global proxy's logits.
+The kd and input variants score the global proxy they *received* (a frozen copy kept before
+local training): `pfedes/proxy_acc` on the client's test split (kd: the proxy's own head; input:
+F after G), and for kd `pfedes/kl_local_proxy`, the KL between the local model's and that global
+proxy's logits.
 
 Shares: the proxy's parameters (`4 * n_params` bytes each way per client per round).
 Keeps local: the heterogeneous local model.
 Server: sample-weighted proxy average, with optional per-client weight cap, L2 clipping of each
 proxy update, and EMA of the global proxy applied every `ema_every` rounds.
-
-Both variants live in this one module (two client classes sharing the proxy, the server and the
-received-proxy scoring) so the variant table sits beside the code it selects.
 """
 
 from __future__ import annotations
@@ -71,8 +54,7 @@ from rayfl.algorithms.base import (
 )
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer
 from rayfl.errors import require
-from rayfl.models.sbn import running_stats_kept
-from rayfl.models.zoo import InputProxy, ProxyExtractor
+from rayfl.models.zoo import ProxyExtractor
 from rayfl.schema import setting
 
 
@@ -188,19 +170,13 @@ class PFedESParams:
 
 @dataclass(frozen=True)
 class Variant:
-    """One pFedES variant: its client half, its server half and its proxy.
-
-    Attributes:
-        client: the client class (a `PFedESClient` subclass).
-        server: the server class (`PFedESServer` or a subclass).
-        proxy: builds the shared proxy from `(params, in_shape, num_classes)`.
-        scored: the proxy is a classifier the server scores on its test set (`proxy/acc`).
-    """
+    """One pFedES variant: its client half, its server half and its proxy."""
 
     client: type[Client[PFedESParams]]
     server: type[Server[PFedESParams]]
+    # builds the shared proxy from `(params, in_shape, num_classes)`
     proxy: Callable[[PFedESParams, tuple[int, ...], int], nn.Module] | None = None
-    scored: bool = True
+    scored: bool = True  # the proxy is a classifier the server scores (`proxy/acc`)
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -339,106 +315,11 @@ def split_payload(payload: Payload) -> tuple[Payload, Payload, float | None]:
     return state, momentum, weight
 
 
-class PFedESInputClient(PFedESClient):
-    """Variant `input` (the official code): an image-to-image proxy G before the local model F."""
-
-    def __init__(self, ctx: ClientContext, params: PFedESParams) -> None:
-        super().__init__(ctx, params)
-        require(
-            not params.shared_optimizer or ctx.train.optimizer == "sgd",
-            "algorithm.shared_optimizer",
-            "shares an SGD momentum state; set train.optimizer=sgd or drop it",
-        )
-        self.momentum: Payload = {}
-        self.weight = 0.0
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        state, self.momentum, _ = split_payload(payload)
-        super().receive(state, rnd)
-
-    def fit(self, trainer: Trainer) -> dict[str, float]:
-        # stage 1 trains F with G frozen, stage 2 trains G through a frozen F.
-        self.proxy.eval()
-        stage1 = trainer.run(self._stage1_step, [self.model])
-        self.model.eval()
-        epochs = self.params.proxy_epochs
-        epochs = self.ctx.train.local_epochs + 10 if epochs is None else epochs
-        if self.params.shared_optimizer:
-            stage2 = self._stage2_shared(trainer, epochs)
-        else:
-            stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
-        if self.params.weights == "all":
-            self.weight = float(
-                trainer.num_samples + sum(len(y) for _, y in trainer.batches("test"))
-            )
-        return {"loss": stage1["loss"], "pfedes/proxy_loss": stage2["loss"]}
-
-    def _stage2_shared(self, trainer: Trainer, epochs: int) -> dict[str, float]:
-        """Stage 2 with the federation's SGD momentum for G: continue from the received buffers
-        and keep the final ones for upload (the official code's single `optimizer_gen`)."""
-        s = self.ctx.train
-        named = dict(self.proxy.named_parameters())
-        sgd = torch.optim.SGD(
-            named.values(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
-        )
-        for name, buf in self.momentum.items():
-            sgd.state[named[name]]["momentum_buffer"] = torch.as_tensor(
-                np.array(buf), device=named[name].device
-            )
-        self.proxy.train()
-        self.model.requires_grad_(False)  # gradients flow through F to G; F takes none
-        total, count = 0.0, 0
-        try:
-            for _ in range(epochs):
-                for x, y in trainer.batches("train", shuffle=True):
-                    loss = self._stage2_step(x, y)
-                    sgd.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if s.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(self.proxy.parameters(), s.grad_clip)
-                    sgd.step()
-                    total += float(loss.detach()) * len(y)
-                    count += len(y)
-        finally:
-            self.model.requires_grad_(True)
-        self.momentum = {
-            name: sgd.state[p]["momentum_buffer"].detach().cpu().numpy().copy()
-            for name, p in named.items()
-            if "momentum_buffer" in sgd.state[p]
-        }
-        return {"loss": total / count if count else float("nan")}
-
-    def upload(self) -> Payload:
-        up = super().upload()
-        if self.params.shared_optimizer:
-            up.update({MOMENTUM + k: v for k, v in self.momentum.items()})
-        if self.params.weights == "all":
-            up[WEIGHT] = np.array(self.weight, dtype=np.float32)
-        return up
-
-    def _stage1_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            gx = self.proxy(x)
-        mu = self.params.mu
-        own = F.cross_entropy(self.model(x), y)
-        with running_stats_kept(self.model):  # F is scored on x alone: its statistics are x's
-            proxied = F.cross_entropy(self.model(gx), y)
-        return (1 - mu) * own + mu * proxied
-
-    def _stage2_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(self.proxy(x)), y)
-
-    def received_proxy_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(self.received(x))
-
-
 class PFedESServer(Server[PFedESParams]):
     """Sample-weighted proxy average (optional weight cap, update clipping, EMA).
     `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
 
-    sum_form: ClassVar[str | None] = (
-        "weighted_mean"  # a sample-weighted proxy average (see rayfl.privacy)
-    )
+    sum_form: ClassVar[str | None] = "weighted_mean"  # a sample-weighted average (rayfl.privacy)
 
     @staticmethod
     def variant_class(params: PFedESParams) -> type[Server[PFedESParams]]:
@@ -500,24 +381,8 @@ class PFedESOwnWeightsServer(PFedESServer):
     sum_form = None
 
 
-register_variant(
-    "kd",
-    Variant(
-        PFedESKDClient,
-        PFedESServer,
-        lambda p, shape, classes: ProxyExtractor(shape, classes, embed_dim=p.embed_dim),
-    ),
-)
-register_variant(
-    "input",
-    Variant(
-        PFedESInputClient,
-        PFedESServer,
-        lambda p, shape, classes: InputProxy(shape[0]),
-        scored=False,
-    ),
-)
-
+kd_proxy = lambda p, shape, classes: ProxyExtractor(shape, classes, embed_dim=p.embed_dim)  # noqa: E731
+register_variant("kd", Variant(PFedESKDClient, PFedESServer, kd_proxy))
 register_variant("stats", Variant(PFedESStatsClient, PFedESStatsServer, scored=False))
 
 ALGORITHMS.add(

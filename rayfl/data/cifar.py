@@ -80,7 +80,7 @@ def _read_cifar_batches(paths: Sequence[Path], label_key: str) -> tuple[np.ndarr
         xs.append(np.asarray(_field(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32))
         ys.append(np.asarray(_field(batch, label_key), dtype=np.int64))
     x = xs[0] if len(xs) == 1 else np.concatenate(xs)
-    return datasets._u8_images(x), np.concatenate(ys)
+    return np.ascontiguousarray(x, dtype=np.uint8), np.concatenate(ys)
 
 
 _CIFAR = {

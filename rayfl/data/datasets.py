@@ -13,6 +13,7 @@ missing. They are registered by name in `DATASETS` and called through
 
 from __future__ import annotations
 
+import functools
 import gzip
 import logging
 import os
@@ -87,16 +88,9 @@ class ArrayDataset:
         return tuple(int(d) for d in self.x_train.shape[1:])
 
     def as_tensor(self, x: np.ndarray) -> torch.Tensor:
-        """Return `x` as a normalised float32 tensor: `(x / scale - mean) / std` per channel.
+        """A new float32 tensor `(x / scale - mean) / std` per channel, for one sample or a batch.
 
-        Works on one sample (shape `in_shape`) or a batch (shape `(B, *in_shape)`). `x` is never
-        modified; it may be a read-only, zero-copy view from Ray's object store.
-
-        Args:
-            x: raw inputs as stored in the dataset.
-
-        Returns:
-            A new float32 tensor of the same shape.
+        `x` is never modified; it may be a read-only, zero-copy view from Ray's object store.
         """
         x = np.asarray(x)
         if x.shape[-len(self.in_shape) :] != self.in_shape or x.ndim > len(self.in_shape) + 1:
@@ -125,21 +119,9 @@ def default_root() -> Path:
 def load_dataset(
     name: str, root: str | os.PathLike[str] | None = None, **options: Any
 ) -> ArrayDataset:
-    """Load the registered dataset `name`.
-
-    Args:
-        name: registry name (`fmnist`, `mnist`, `cifar10`, `cifar100`, `tinyimagenet`,
-            `synthetic`, `digits`, or any other registered loader).
-        root: data directory; None means `default_root()`.
-        **options: loader-specific options (e.g. `num_samples` for `synthetic`).
-
-    Returns:
-        The dataset as numpy arrays.
-
-    Raises:
-        ConfigError: unknown name or option.
-        UserError: the data cannot be found or downloaded.
-    """
+    """Load the registered dataset `name` from `root` (None: `default_root()`) with its
+    loader-specific `options`; a ConfigError for an unknown name or option, a UserError when the
+    data cannot be found or downloaded."""
     loader = DATASETS.get(name, key="data.dataset")
     return loader(root=None if root is None else str(root), **options)
 
@@ -160,10 +142,6 @@ def _check_options(dataset: str, options: dict[str, Any], allowed: Sequence[str]
             f"{suggest(unknown[0], allowed)}; "
             f"its options are: {choices}"
         )
-
-
-def _u8_images(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.uint8)
 
 
 def read_idx(path: str | os.PathLike[str], expected_magic: int | None = None) -> np.ndarray:
@@ -234,17 +212,23 @@ def _download(torchvision_class: str, root: Path) -> None:
 
 def _load_idx_dataset(
     name: str,
-    root: str | None,
+    root: str | None = None,
     *,
     folders: Sequence[str],
     torchvision_class: str,
     apt_package: str,
     mean: float,
     std: float,
+    **options: Any,
 ) -> ArrayDataset:
+    _check_options(name, options)
     base = _root(root)
     candidates = [DEBIAN_DIRS[name], base, *(base / f for f in folders)]
-    files = next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+
+    def find() -> dict[str, Path] | None:
+        return next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+
+    files = find()
     if files is None:
         logger.info("%s: IDX files not found in %s; downloading with torchvision", name, base)
         try:
@@ -255,7 +239,7 @@ def _load_idx_dataset(
                 f"run `apt-get install {apt_package}` or put the four IDX files "
                 f"(train/t10k-images-idx3-ubyte[.gz], train/t10k-labels-idx1-ubyte[.gz]) under {base}"
             ) from exc
-        files = next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+        files = find()
         if files is None:
             raise UserError(
                 f"{name}: torchvision downloaded no IDX files under {base}; put them there"
@@ -276,43 +260,24 @@ def _load_idx_dataset(
 
 
 # --------------------------------------------------------------------------- image datasets
-
-
-@DATASETS.register("fmnist")
-def load_fmnist(root: str | None = None, **options: Any) -> ArrayDataset:
-    """Fashion-MNIST (Xiao et al. 2017): 60k/10k 28x28 grey images of 10 clothing classes.
-
-    Looks for the IDX files in Debian's `/usr/share/datasets/fashion-mnist`, then in `root`
-    (or `root/FashionMNIST/raw`, torchvision's layout), then downloads them with torchvision.
-    """
-    _check_options("fmnist", options)
-    return _load_idx_dataset(
-        "fmnist",
-        root,
-        folders=("FashionMNIST/raw", "fashion-mnist"),
-        torchvision_class="FashionMNIST",
-        apt_package="dataset-fashion-mnist",
-        mean=0.2860,
-        std=0.3530,
-    )
-
-
-@DATASETS.register("mnist")
-def load_mnist(root: str | None = None, **options: Any) -> ArrayDataset:
-    """MNIST: 60k/10k 28x28 grey handwritten digits.
-
-    Looks in `/usr/share/datasets/mnist`, then `root` (or `root/MNIST/raw`), then downloads
-    with torchvision.
-    """
-    _check_options("mnist", options)
-    return _load_idx_dataset(
-        "mnist",
-        root,
-        folders=("MNIST/raw", "mnist"),
-        torchvision_class="MNIST",
-        apt_package="dataset-mnist",
-        mean=0.1307,
-        std=0.3081,
+# Fashion-MNIST (Xiao et al. 2017, 10 clothing classes) and MNIST (digits): 60k/10k 28x28 grey
+# images. The IDX files are looked for in Debian's folder, then in `root` (or torchvision's
+# layout under it), then downloaded with torchvision.
+for _name, _folders, _tv, _apt, _mean, _std in (
+    ("fmnist", ("FashionMNIST/raw", "fashion-mnist"), "FashionMNIST", "dataset-fashion-mnist", 0.2860, 0.3530),
+    ("mnist", ("MNIST/raw", "mnist"), "MNIST", "dataset-mnist", 0.1307, 0.3081),
+):  # fmt: skip
+    DATASETS.add(
+        _name,
+        functools.partial(
+            _load_idx_dataset,
+            _name,
+            folders=_folders,
+            torchvision_class=_tv,
+            apt_package=_apt,
+            mean=_mean,
+            std=_std,
+        ),
     )
 
 

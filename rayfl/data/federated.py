@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfl.data.datasets import ArrayDataset
+from rayfl.data.datasets import ArrayDataset, load_dataset
 from rayfl.data.domains import plan_for
 from rayfl.data.partition import PARTITIONERS
 from rayfl.errors import ConfigError, suggest
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
-    from rayfl.schema import DomainsConfig
+    from rayfl.schema import DomainsConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -178,37 +178,18 @@ def build_federation(
     domains: DomainsConfig | None = None,
     val_fraction: float = 0.0,
 ) -> Federation:
-    """Split `dataset.x_train` over clients, deterministically in `seed`.
+    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only).
 
     Steps: (1) if `train_samples` is set, keep a seeded random subset of that many training
     samples; (2) hold out a seeded `public_fraction` of those as the public split; (3) partition
-    the rest with the named partitioner; (4) split each client's samples into train and test,
-    stratified by class, with `test_fraction` in test (every client keeps >= 1 train sample);
-    (5) move a stratified `val_fraction` of each client's training samples to its validation
-    split. Every step draws its own stream (`rayfl.seeding`): `val_fraction=0` leaves the
-    splits exactly as they were without it, and the split is the same for every algorithm.
-
-    Args:
-        dataset: the dataset to split.
-        num_clients: number of clients.
-        partitioner: registered partitioner name (`iid`, `dirichlet`, `pathological`, `quantity`).
-        partition_options: its keyword options, e.g. `{"alpha": 0.1}`.
-        seed: the seed of every random choice.
-        test_fraction: share of each client's samples used as its local test split, in [0, 1).
-        public_fraction: share of the (subset) training samples held out as public, in [0, 1).
-        train_samples: size of the training subset; None uses every training sample.
-        domains: `data.domains`: clients in domains and feature skew (`rayfl.data.domains`),
-            applied after step (4) on copies of the arrays; a dataset with its own domains is
-            partitioned per domain in step (3).
-        val_fraction: share of each client's training split moved to its validation split,
-            in [0, 1).
-
-    Returns:
-        The federation (index arrays only; the data stays in `dataset`).
-
-    Raises:
-        ConfigError: an invalid fraction, subset size, partitioner name or option.
-        UserError: the partitioner cannot satisfy its options on this data.
+    the rest with the named partitioner and its `partition_options` (a dataset with its own
+    domains per domain); (4) split each client's samples into train and test, stratified by
+    class, with `test_fraction` in test (every client keeps >= 1 train sample), then apply
+    `domains` (`rayfl.data.domains`) on copies of the arrays; (5) move a stratified
+    `val_fraction` of each client's training samples to its validation split. Every step draws
+    its own stream (`rayfl.seeding`): `val_fraction=0` leaves the splits exactly as they were
+    without it, and the split is the same for every algorithm. A ConfigError for an invalid
+    setting, a UserError when the partitioner cannot satisfy its options on this data.
     """
     n = len(dataset.y_train)
     if not 0.0 <= test_fraction < 1.0:
@@ -281,6 +262,26 @@ def build_federation(
         len(public),
     )
     return fed
+
+
+def prepare_federation(cfg: RunConfig) -> Federation:
+    """The dataset split into clients, with the partition settings its partitioner accepts."""
+    p = cfg.data.partition
+    accepted = inspect.signature(PARTITIONERS.get(p.name, key="data.partition.name")).parameters
+    options = {k: getattr(p, k) for k in ("alpha", "min_samples", "classes_per_client")}
+    dataset = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
+    return build_federation(
+        dataset,
+        num_clients=cfg.data.num_clients,
+        partitioner=p.name,
+        partition_options={k: v for k, v in options.items() if k in accepted},
+        seed=cfg.seed,
+        test_fraction=cfg.data.test_fraction,
+        public_fraction=cfg.data.public_fraction,
+        train_samples=cfg.data.train_samples,
+        domains=cfg.data.domains,
+        val_fraction=cfg.data.val_fraction,
+    )
 
 
 def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:

@@ -13,7 +13,6 @@ Everything else (what is trained and shared) is the algorithm's; where it runs i
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -24,9 +23,7 @@ from typing import Any
 from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Algorithm
 from rayfl.checks import check_algorithm_fits
-from rayfl.data import PARTITIONERS
-from rayfl.data.datasets import load_dataset
-from rayfl.data.federated import Federation, build_federation
+from rayfl.data.federated import Federation, prepare_federation
 from rayfl.engine.checkpoint import Restored
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
 from rayfl.engine.executor import Executor, SerialExecutor
@@ -83,32 +80,6 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def partition_options(cfg: RunConfig) -> dict[str, Any]:
-    """The partition settings the chosen partitioner accepts."""
-    fn = PARTITIONERS.get(cfg.data.partition.name, key="data.partition.name")
-    accepted = inspect.signature(fn).parameters
-    p = cfg.data.partition
-    return {
-        k: getattr(p, k) for k in ("alpha", "min_samples", "classes_per_client") if k in accepted
-    }
-
-
-def prepare_federation(cfg: RunConfig) -> Federation:
-    dataset = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
-    return build_federation(
-        dataset,
-        num_clients=cfg.data.num_clients,
-        partitioner=cfg.data.partition.name,
-        partition_options=partition_options(cfg),
-        seed=cfg.seed,
-        test_fraction=cfg.data.test_fraction,
-        public_fraction=cfg.data.public_fraction,
-        train_samples=cfg.data.train_samples,
-        domains=cfg.data.domains,
-        val_fraction=cfg.data.val_fraction,
-    )
-
-
 def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSpec:
     e, t = cfg.engine, cfg.train
     threads = e.num_threads or max(1, int(e.worker_resources.num_cpus))
@@ -129,20 +100,6 @@ def make_spec(cfg: RunConfig, archs: list[str], federation: Federation) -> RunSp
         federation_control=cfg.eval.federation_control,
         privacy=hook_for(ALGORITHMS.get(cfg.algorithm.name), cfg),
     )
-
-
-def make_executor(
-    spec: RunSpec,
-    federation: Federation,
-    clock: StartupClock | None = None,
-    spill_dir: str | Path | None = None,
-) -> Executor:
-    """The executor `engine.executor` names, ready to run rounds (`RayExecutor`: `spill_dir` is
-    where a Ray it starts spills objects, unless `engine.spill_dir` says otherwise)."""
-    if spec.engine.executor == "serial":
-        with (clock or StartupClock()).phase("executor"):
-            return SerialExecutor(spec, federation)
-    return RayExecutor(spec, federation, clock, spill_dir)
 
 
 class Simulation:
@@ -174,24 +131,15 @@ class Simulation:
         with self.clock.phase("data_load"):
             self.federation = prepare_federation(cfg)
         dataset = self.federation.dataset
-        dims = (
-            family.feature_dims(dataset.in_shape, dataset.num_classes)
-            if self.algo.needs_common_feature_dim
-            else None
-        )
+        dims = None
+        if self.algo.needs_common_feature_dim:
+            dims = family.feature_dims(dataset.in_shape, dataset.num_classes)
         check_algorithm_fits(self.algo, cfg, self.archs, dims, len(self.federation.public))
         self.spec = make_spec(cfg, self.archs, self.federation)
-        self.devices = (
-            Devices(
-                cfg,
-                self.archs,
-                [len(c.train) for c in self.federation.clients],
-                dataset.in_shape,
-                dataset.num_classes,
-            )
-            if cfg.devices.enabled
-            else None
-        )
+        sizes = [len(c.train) for c in self.federation.clients]
+        self.devices = None
+        if cfg.devices.enabled:
+            self.devices = Devices(cfg, self.archs, sizes, dataset.in_shape, dataset.num_classes)
         self.result = RunResult(cfg)
         self.start_round = 1
         self.wall_before = 0.0  # the wall time of the pieces before a resume
@@ -212,20 +160,24 @@ class Simulation:
         hooks run in every case, then the executor shuts down."""
         cfg = self.cfg
         status = "FAILED"
-        comm = {"up": 0.0, "down": 0.0}
         try:
-            self.executor = make_executor(
-                self.spec, self.federation, self.clock, spill_dir(self.run_dir)
-            )
+            if self.spec.engine.executor == "serial":
+                with self.clock.phase("executor"):
+                    self.executor = SerialExecutor(self.spec, self.federation)
+            else:  # a Ray it starts spills objects under the run directory
+                self.executor = RayExecutor(
+                    self.spec, self.federation, self.clock, spill_dir(self.run_dir)
+                )
             for cb in self.callbacks:
                 restored = cb.resume_state(cfg)
                 if restored is not None:
                     self.restore(restored)
             for cb in self.callbacks:
                 cb.on_run_start(self)
-            comm["up"] = self.result.final.get("comm/bytes_up_total", 0.0)
-            comm["down"] = self.result.final.get("comm/bytes_down_total", 0.0)
-            comm["virtual"] = self.result.final.get("time/virtual_s", 0.0)
+            final = self.result.final  # a resumed run's totals go on
+            comm = {"virtual": final.get("time/virtual_s", 0.0)}
+            comm["up"] = final.get("comm/bytes_up_total", 0.0)
+            comm["down"] = final.get("comm/bytes_down_total", 0.0)
             self.clock.mark("first_round_at")
             log.info("start-up: %s", self.clock.describe())
             for rnd in range(self.start_round, cfg.engine.rounds + 1):
@@ -276,10 +228,6 @@ class Simulation:
         """This round's clients. A held-out domain's clients (`Federation.eval_only`) are never
         drawn: the draw is over the others, by position, at most all of them."""
         cfg, held = self.cfg, set(self.federation.eval_only)
-        if not held:
-            return sample_clients(
-                cfg.seed, rnd, cfg.data.num_clients, self.per_round, cfg.engine.sampling
-            )
         pool = [c for c in range(cfg.data.num_clients) if c not in held]
         k = min(self.per_round, len(pool))
         return [pool[i] for i in sample_clients(cfg.seed, rnd, len(pool), k, cfg.engine.sampling)]
@@ -338,11 +286,10 @@ class Simulation:
         if rnd == self.start_round:
             row.update(self.clock.metrics())
         row["comm/bytes_down"] = bytes_down
-        row["comm/bytes_up_total"] = comm["up"]
-        row["comm/bytes_down_total"] = comm["down"]
-        row["time/fit_s"] = fit_end - fit_start
-        row["time/server_s"] = server_s
-        row["time/eval_s"] = eval_s
+        row.update({"comm/bytes_up_total": comm["up"], "comm/bytes_down_total": comm["down"]})
+        row.update(
+            {"time/fit_s": fit_end - fit_start, "time/server_s": server_s, "time/eval_s": eval_s}
+        )
         if plan is not None:
             row.update(self._clock_metrics(rnd, plan, comm))
         row["time/round_s"] = time.perf_counter() - start
@@ -368,18 +315,15 @@ class Simulation:
         """A round in which fewer devices than `engine.min_replies` can train: no training and no
         server step; the clock still runs (the server waited)."""
         assert self.executor is not None
+        n, least = len(plan.participants), self.cfg.engine.min_replies
         log.warning(
-            "round %d: %d of the sampled devices can train (engine.min_replies=%d): round skipped",
-            rnd,
-            len(plan.participants),
-            self.cfg.engine.min_replies,
+            "round %d: %d devices can train (engine.min_replies=%d): skipped", rnd, n, least
         )
         if self._finish_pending():
             return None
-        row: dict[str, float] = {"round": float(rnd), "clients": 0.0, "devices/skipped": 1.0}
+        row = {"round": float(rnd), "clients": 0.0, "devices/skipped": 1.0}
         row.update(self._clock_metrics(rnd, plan, comm))
-        row["comm/bytes_up_total"] = comm["up"]
-        row["comm/bytes_down_total"] = comm["down"]
+        row.update({"comm/bytes_up_total": comm["up"], "comm/bytes_down_total": comm["down"]})
         row["time/round_s"] = time.perf_counter() - start
         self._pending = _Pending(rnd, row, None, self.executor, [], [], [])
         self._finish_pending()
@@ -390,18 +334,12 @@ class Simulation:
     ) -> list[ClientMetrics]:
         """Every registered client's score of its deployed model given `payloads`.
 
-        A client that has not trained since its last score (same state) keeps that score when
-        its deployed model cannot have changed either: its algorithm deploys the client's own
-        model (`Client.deployed_uses_payload` False), or its architecture's payload is the same
-        as then. The same deployed model on the same test split, scored without randomness,
-        gives the same numbers (tested). This relies on `Client.deployed_model` depending on the
-        state and the payload, not on the round.
-
-        Where the payload does not matter to the model, the algorithm's diagnostics against it
-        (e.g. `pfedes/proxy_acc`) are kept only for the round's participants (`fitted`): a kept
-        score holds none for this payload, and which clients were scored anew depends on what
-        this process scored before (a resumed run scores everyone once), which the numbers must
-        not."""
+        A client that has not trained since its last score keeps that score when its deployed
+        model cannot have changed either: its algorithm deploys the client's own model, or its
+        architecture's payload is the same as then (`Client.deployed_model` depends on the state
+        and the payload, not on the round). Where the payload does not matter, the diagnostics
+        against it (e.g. `pfedes/proxy_acc`) are kept only for the round's participants
+        (`fitted`), so that the numbers never depend on what this process scored before."""
         assert self.executor is not None
         uses_payload = self.spec.algo.client.deploys_payload(self.spec.params)
         if uses_payload:
@@ -436,7 +374,6 @@ class Simulation:
         pending.row["time/wall_s"] = self.wall_s()
         self.result.history.append(pending.row)
         self.result.clients += per_client_rows(self.federation, pending.round, pending.scored)
-        self.last_client_rows = pending.client_rows
         self.last_clients = pending.clients
         for cb in self.callbacks:
             cb.on_round_state(

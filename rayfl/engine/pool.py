@@ -1,5 +1,6 @@
-"""The client workers' actors: how many a run gets (`plan_workers`), their class (`ClientWorker`)
-and their start (`start_workers`).
+"""The client workers' actors: how many a run gets (`plan_workers`), their class (`ClientWorker`),
+their start (`start_workers`) and the dispatch of a round's clients over them
+(`WorkerPool.dispatch`).
 """
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rayfl.engine.executor import batches
 from rayfl.errors import UserError
 from rayfl.resources import check_fits, fit_pools, worker_capacity
 from rayfl.schema import EngineConfig, Resources
@@ -114,6 +118,63 @@ class WorkerPool:
     cls: Any
     actors: list[Any]
     shapes: list[Resources]
+
+    def dispatch(
+        self,
+        e: EngineConfig,
+        round_idx: int,
+        order: Sequence[int],
+        shape_of: Sequence[Resources],
+        states: Mapping[int, Any],
+        submit: Callable[[Any, list[int], list[Any]], tuple[Any, Any]],
+        record: Callable[[list[int], Any], None],
+        deadline: float | None = None,
+    ) -> None:
+        """Run the clients in `order` in batches of `engine.clients_per_call`, each on whichever
+        actor of its clients' shape (`shape_of[c]`) is free: `submit(actor, batch, their
+        states)` returns the ObjectRef to wait on and a handle, `record(batch, handle)` takes
+        the result. At the `deadline` the calls still running are cancelled and the batches not
+        started dropped. A UserError when an actor died more often than Ray re-runs a call."""
+        by_shape: dict[Any, list[int]] = {}
+        for c in order:
+            by_shape.setdefault(shape_of[c], []).append(c)
+        size = e.clients_per_call
+        pending = {shape: deque(batches(ids, size)) for shape, ids in by_shape.items()}
+        idle: dict[Any, deque[int]] = {}
+        for index, shape in enumerate(self.shapes):
+            idle.setdefault(shape, deque()).append(index)
+        running: dict[Any, tuple[int, list[int], Any]] = {}
+        while True:
+            for shape, queue in pending.items():
+                free = idle.get(shape)
+                while free and queue:
+                    index, batch = free.popleft(), queue.popleft()
+                    ref, handle = submit(self.actors[index], batch, [states.get(c) for c in batch])
+                    running[ref] = (index, batch, handle)
+            if not running:
+                return
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+            if not done:
+                dropped = len(running) + sum(len(q) for q in pending.values())
+                log.warning(
+                    "round %d: engine.round_timeout_s=%s passed; %d client batches dropped",
+                    *(round_idx, e.round_timeout_s, dropped),
+                )
+                for ref in running:
+                    with suppress(Exception):
+                        ray.cancel(ref)
+                return
+            index, batch, handle = running.pop(done[0])
+            try:
+                record(batch, handle)
+            except ray.exceptions.RayActorError:
+                raise UserError(
+                    f"round {round_idx}: clients {batch} failed: their worker died "
+                    f"{e.max_retries + 1} times; check memory "
+                    "(engine.worker_resources) or raise engine.max_retries"
+                ) from None
+            idle[self.shapes[index]].append(index)
 
 
 def arch_shapes(e: EngineConfig, archs: Sequence[str]) -> list[Resources]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -24,7 +23,7 @@ import ray
 
 from rayfl.algorithms.base import Payload
 from rayfl.data.federated import Federation
-from rayfl.engine.executor import Executor, StateView, batches, longest_first
+from rayfl.engine.executor import Executor, StateView, longest_first
 from rayfl.engine.pool import arch_shapes, start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
@@ -55,15 +54,12 @@ class RayExecutor(Executor):
     """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
     with an evaluation actor for its pipelined scoring.
 
-    Built in one step: Ray started (unless this process is connected to one already; a Ray it
-    started it also stops, in `close`), the workers' and the server's actors created, the
-    dataset put once (every actor maps it zero-copy) and every actor set up. `clock` records the
-    start-up phases; `spill_dir`: where a Ray started here spills objects when
-    `engine.spill_dir` is not set (the run's own folder).
+    Built in one step: Ray started (unless already connected; a Ray it started it stops in
+    `close`, spilling to `spill_dir` unless `engine.spill_dir` is set), the actors created, the
+    dataset put once (every actor maps it zero-copy) and every actor set up.
 
-    In the driver, the server costs no process of its own, its broadcast is put once per
-    round, its replies are read zero-copy, and its models are scored in a thread of this process
-    while the clients train or evaluate. It cannot die on its own, so it has no restart path."""
+    In the driver, the server costs no process of its own, its replies are read zero-copy, and
+    its models are scored in a thread of this process while the clients train or evaluate."""
 
     def __init__(
         self,
@@ -75,9 +71,6 @@ class RayExecutor(Executor):
         e = spec.engine
         self.spec = spec
         self.workers: list[Any] = []
-        self.num_workers = 0
-        self._worker_shapes: list[Any] = []
-        self.placements: dict[int, int] = {}  # client -> index of the worker that last ran it
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
         self.evaluator: Any = None
@@ -85,26 +78,23 @@ class RayExecutor(Executor):
         self._final_scoring: _Scoring | None = None
         self._scorer: ThreadPoolExecutor | None = None  # scores a driver server's models
         self.states: dict[int, ray.ObjectRef] = {}
-        # The server state after the last finished server step, as an object the driver owns
-        # (it outlives the server actor): a restarted server starts from it. None: a fresh server
-        # is identical (it is built from the seed).
+        # The server state after the last finished server step, owned by the driver: a restarted
+        # server starts from it (None: a fresh server, built from the seed, is identical).
         self._server_state: Any = None
         self._clock = clock = clock or StartupClock()
         with clock.phase("ray_start"):
             self._started_ray = init_ray_for_run(e, spill_dir)
         try:
             with clock.phase("actors_launch"):
-                pool = start_workers(e, spec.per_round, spec.archs)
-                self.workers, self._worker_shapes = list(pool.actors), list(pool.shapes)
-                self.num_workers = len(self.workers)
+                self.pool = start_workers(e, spec.per_round, spec.archs)
+                self.workers = self.pool.actors
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
                 )
                 if not server_in_driver(e):  # its process starts while the dataset is put
                     self.server = self._server_cls.remote()
-                # No CPU of its own, like the server: it fills the time workers spend off the
-                # CPU. Started when first needed (`server_step_deferred`). It holds no state:
-                # Ray restarts it and re-runs its call when it dies.
+                # No CPU of its own: it fills the time workers spend off the CPU. Started on
+                # first use; stateless, so Ray restarts it and re-runs its call when it dies.
                 self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
                     num_cpus=0, num_gpus=0, max_restarts=-1, max_task_retries=e.max_retries
                 )
@@ -117,8 +107,7 @@ class RayExecutor(Executor):
             self._setup = [ray.put(spec), self._federation_ref]
             ready = [w.setup.remote(self._setup) for w in self.workers]
             if server_in_driver(e):
-                # The driver is no actor: Ray assigns it no GPU ids, so it takes the device as
-                # the serial executor does (engine.device=cuda: the visible GPU).
+                # The driver is no actor (no GPU ids from Ray): the device as for serial runs
                 self.local = ServerRunner(spec, federation, resolve_device(spec.device))
             else:
                 self._server_ready = self.server.setup.remote(spec, self._federation_ref)
@@ -127,12 +116,11 @@ class RayExecutor(Executor):
         except BaseException:
             self.close()
             raise
-        log.info("Ray executor: %d workers", self.num_workers)
+        log.info("Ray executor: %d workers", len(self.workers))
 
     def _await_ready(self, ready: list[Any]) -> None:
         """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
-        as itself; a server actor that died is replaced; a start past
-        `engine.startup_timeout_s` is a UserError."""
+        as itself, then for every actor to answer (`_await_started`)."""
         with self._clock.phase("actors_ready"):
             deadline = time.monotonic() + self.spec.engine.startup_timeout_s
             for ref in ready:
@@ -144,21 +132,16 @@ class RayExecutor(Executor):
         with suppress(Exception):
             if self.server is not None:
                 ray.kill(self.server)
-        server: Any = self._server_cls.remote(self.spec, self._federation_ref)
-        self.server = server
+        self.server = server = self._server_cls.remote(self.spec, self._federation_ref)
+        state = self._server_state
         self._server_ready = (
-            server.load_state_dict.remote(self._server_state)
-            if self._server_state is not None
-            else server.device.remote()
+            server.device.remote() if state is None else server.load_state_dict.remote(state)
         )
 
     def _await_started(self) -> None:
         """Wait until every worker and the server answer (Ray restarts workers that die; a
-        server actor that died is replaced here).
-
-        Raises:
-            UserError: they did not answer within `engine.startup_timeout_s`, or kept dying.
-        """
+        server actor that died is replaced here); a UserError past `engine.startup_timeout_s` or
+        when they keep dying."""
         e = self.spec.engine
         deadline = time.monotonic() + e.startup_timeout_s
         for _ in range(e.max_retries + 1):
@@ -242,8 +225,7 @@ class RayExecutor(Executor):
         metrics: list[ClientMetrics] = []
         reply_refs: list[Any] = []
 
-        def submit(worker: Any, batch: list[int]) -> tuple[Any, Any]:
-            states = [self.states.get(c) for c in batch]
+        def submit(worker: Any, batch: list[int], states: list[Any]) -> tuple[Any, Any]:
             refs = worker.fit.options(num_returns=2 + len(batch)).remote(
                 self._setup, round_idx, batch, payloads, evaluate, *states
             )
@@ -257,7 +239,9 @@ class RayExecutor(Executor):
 
         deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
         order = longest_first(client_ids, self._train_sizes)
-        self._dispatch(round_idx, self._batches(order), submit, record, deadline)
+        self.pool.dispatch(
+            e, round_idx, order, self._shape_of, self.states, submit, record, deadline
+        )
         return metrics, reply_refs
 
     def evaluate(
@@ -266,8 +250,7 @@ class RayExecutor(Executor):
         """As `fit`; evaluation changes no state."""
         rows: list[ClientMetrics] = []
 
-        def submit(worker: Any, batch: list[int]) -> tuple[Any, Any]:
-            states = [self.states.get(c) for c in batch]
+        def submit(worker: Any, batch: list[int], states: list[Any]) -> tuple[Any, Any]:
             ref = worker.evaluate.remote(self._setup, round_idx, batch, payloads, *states)
             return ref, ref
 
@@ -276,75 +259,10 @@ class RayExecutor(Executor):
             self._report("eval", len(rows), len(client_ids))
 
         order = longest_first(client_ids, self._test_sizes)
-        self._dispatch(round_idx, self._batches(order), submit, record)
+        self.pool.dispatch(
+            self.spec.engine, round_idx, order, self._shape_of, self.states, submit, record
+        )
         return rows
-
-    def _batches(self, order: Sequence[int]) -> list[list[int]]:
-        """Batches of `engine.clients_per_call` clients in `order`, each of one pool's shape."""
-        by_shape: dict[Any, list[int]] = {}
-        for c in order:
-            by_shape.setdefault(self._shape_of[c], []).append(c)
-        size = self.spec.engine.clients_per_call
-        return [b for ids in by_shape.values() for b in batches(ids, size)]
-
-    def _dispatch(
-        self,
-        round_idx: int,
-        batches: list[list[int]],
-        submit: Callable[[Any, list[int]], tuple[Any, Any]],
-        record: Callable[[list[int], Any], None],
-        deadline: float | None = None,
-    ) -> None:
-        """Run `batches`, each on whichever worker is free: `submit(worker, batch)` returns the
-        ObjectRef to wait on and a handle, `record(batch, handle)` takes the result. At the
-        `deadline` the calls still running are cancelled and the batches not started dropped.
-
-        Raises:
-            UserError: a batch's worker died more often than Ray re-runs a call
-                (`engine.max_retries`).
-        """
-        # a batch goes to a free worker of its clients' shape (one pool per shape)
-        pending: dict[Any, deque[list[int]]] = {}
-        for batch in batches:
-            pending.setdefault(self._shape_of[batch[0]], deque()).append(batch)
-        idle: dict[Any, deque[int]] = {}
-        for index, shape in enumerate(self._worker_shapes):
-            idle.setdefault(shape, deque()).append(index)
-        running: dict[Any, tuple[int, list[int], Any]] = {}
-        while True:
-            for shape, queue in pending.items():
-                free = idle.get(shape)
-                while free and queue:
-                    index, batch = free.popleft(), queue.popleft()
-                    ref, handle = submit(self.workers[index], batch)
-                    running[ref] = (index, batch, handle)
-                    self.placements.update(dict.fromkeys(batch, index))
-            if not running:
-                return
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
-            if not done:
-                log.warning(
-                    "round %d: deadline engine.round_timeout_s=%s passed; %d client batches "
-                    "dropped",
-                    round_idx,
-                    self.spec.engine.round_timeout_s,
-                    len(running) + sum(len(q) for q in pending.values()),
-                )
-                for ref in running:
-                    with suppress(Exception):
-                        ray.cancel(ref)
-                return
-            index, batch, handle = running.pop(done[0])
-            try:
-                record(batch, handle)
-            except ray.exceptions.RayActorError:
-                raise UserError(
-                    f"round {round_idx}: clients {batch} failed: their worker died "
-                    f"{self.spec.engine.max_retries + 1} times; check memory "
-                    "(engine.worker_resources) or raise engine.max_retries"
-                ) from None
-            idle[self._worker_shapes[index]].append(index)
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
         if self.local is not None:
@@ -369,29 +287,24 @@ class RayExecutor(Executor):
         itself, idle from then on, while the clients evaluate."""
         if not self.spec.engine.pipeline_eval:
             return self.server_step(round_idx, replies, evaluate), None
-        if self.local is not None:  # scored in a thread of this process, not by an actor
-            out, models = self.local.step_deferred(round_idx, ray_get(replies), evaluate)
-            if not evaluate:
-                return out, None
-            if final:  # started after the deployed evaluation's broadcast, as on an actor
-                self._final_scoring = _Scoring(models)
-                return out, self._final_scoring
-            return out, _Scoring(models, self._score_in_driver(models))
 
         def call() -> tuple[dict[str, float], Any]:
-            metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
-                round_idx, evaluate, *replies
-            )
-            out = ray_get(metrics)
-            self._server_state = state
+            if self.local is not None:
+                out, models = self.local.step_deferred(round_idx, ray_get(replies), evaluate)
+            else:
+                metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
+                    round_idx, evaluate, *replies
+                )
+                out = ray_get(metrics)
+                self._server_state = state
             if not evaluate:
                 return out, None
             if final:  # submitted after the deployed evaluation's broadcast (`broadcast`)
                 self._final_scoring = _Scoring(models)
                 return out, self._final_scoring
-            if self.evaluator is None:
-                self.evaluator = self._new_evaluator()
-            return out, _Scoring(models, self.evaluator.score.remote(models))
+            if self.local is not None:  # scored in a thread of this process, not by an actor
+                return out, _Scoring(models, self._score_in_driver(models))
+            return out, _Scoring(models, self._evaluate_remote(models))
 
         return self._with_server(f"round {round_idx}", call)
 
@@ -424,9 +337,7 @@ class RayExecutor(Executor):
             return ray_get(handle.ref)  # the evaluator's call is re-run by Ray if it died
         except ray.exceptions.RayActorError:  # the server actor, scoring the last round's
             log.warning("the server actor died while scoring its models; scoring them again")
-            if self.evaluator is None:
-                self.evaluator = self._new_evaluator()
-            return ray_get(self.evaluator.score.remote(handle.models))
+            return ray_get(self._evaluate_remote(handle.models))
 
     def _value(self, handle: Any) -> Any:
         return ray_get(handle)
@@ -436,8 +347,11 @@ class RayExecutor(Executor):
             return StateView(dict(self.states), self.local.state_dict(), _value_or_get)
         return StateView(dict(self.states), self._server_state, ray_get)
 
-    def _new_evaluator(self) -> Any:
-        return self._evaluator_cls.remote(self.spec, self._federation_ref)
+    def _evaluate_remote(self, models: Any) -> Any:
+        """The server's models scored by the evaluation actor (started on first use)."""
+        if self.evaluator is None:
+            self.evaluator = self._evaluator_cls.remote(self.spec, self._federation_ref)
+        return self.evaluator.score.remote(models)
 
     def server_state(self) -> dict[str, Any]:
         if self.local is not None:

@@ -268,3 +268,14 @@ def check_mlflow_ref(run_dir: Path, cfg: RunConfig) -> dict[str, str] | None:
             f"{Path(run_dir) / MLFLOW_RUN} to log to a new MLflow run"
         )
     return ref
+
+
+def runs_table(runs: list[RunInfo]) -> str:
+    """`rayfl ls-runs`: one line per run directory (path, status, rounds, personal/acc)."""
+    width = max(len(str(r.path)) for r in runs)
+    lines = [f"{'run directory'.ljust(width)}  {'status':8s}  rounds  personal/acc"]
+    for r in runs:
+        metric = "-" if r.metric is None else f"{r.metric:.4f}"
+        status = r.status if r.owner is None else f"{r.status} (pid {r.owner})"
+        lines.append(f"{str(r.path).ljust(width)}  {status:8s}  {r.rounds:6d}  {metric}")
+    return "\n".join(lines)

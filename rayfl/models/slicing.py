@@ -4,7 +4,7 @@ Diao et al., "HeteroFL: Computation and Communication Efficient Federated Learni
 Heterogeneous Clients" (ICLR 2021). A client of width rate r holds the *leading* slice of
 every global tensor (the first `round(c * r)` channels of each layer); the server averages
 every entry over the clients whose slice contains it. Width-scaled models built by
-`rayfl.models.zoo.ResNet18` have exactly this nesting; the output-class dimension of the head
+`rayfl.models.resnet.ResNet18` have exactly this nesting; the output-class dimension of the head
 is full in every sub-model, so its slice is the whole dimension.
 """
 

@@ -23,6 +23,7 @@ the bare module because it is not a classifier).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -32,33 +33,15 @@ from torch import nn
 
 from rayfl.errors import ConfigError
 from rayfl.models.base import MODELS, SplitModel
+from rayfl.models.resnet import RESNET18_WIDTHS, BasicBlock, ResNet18, resnet_width
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "AUXILIARY_MODELS",
-    "RESNET18_WIDTHS",
-    "BasicBlock",
-    "InputProxy",
-    "ProxyExtractor",
-    "ResNet18",
-    "Scaler",
-    "resnet_width",
-]
 
 #: Registered names whose builder does not return a classifier (`SplitModel`); they cannot
 #: be client architectures in a family.
 AUXILIARY_MODELS = frozenset({"proxy_input"})
 
-#: Width multipliers of `resnet18_w1`..`resnet18_w10` (HeteroFL/FedFD's ten complexity levels).
-RESNET18_WIDTHS: tuple[float, ...] = tuple(k / 10 for k in range(1, 11))
-
-_RESNET18_CHANNELS = (64, 128, 256, 512)
-
-
-# --------------------------------------------------------------------------------------------
-# input-shape helpers
-# --------------------------------------------------------------------------------------------
+# -- input-shape helpers ---------------------------------------------------------------------------
 
 
 def _check_common(arch: str, in_shape: Sequence[int], num_classes: int) -> tuple[int, ...]:
@@ -98,88 +81,7 @@ def _flat_size(module: nn.Module, in_shape: tuple[int, ...]) -> int:
     return int(out[0].numel())
 
 
-# --------------------------------------------------------------------------------------------
-# building blocks
-# --------------------------------------------------------------------------------------------
-
-
-class Scaler(nn.Module):
-    """HeteroFL's scaler: divides activations by the width `rate` in training, identity in eval.
-
-    A sub-model of width `rate` sees fewer input channels per unit, so its activations are
-    smaller than the full model's; scaling them during local training keeps the magnitudes of
-    all width levels comparable (Diao et al., "HeteroFL", ICLR 2021, Sec. 3.1).
-
-    Args:
-        rate: the width multiplier of the model the scaler sits in (0 < rate <= 1).
-    """
-
-    def __init__(self, rate: float) -> None:
-        super().__init__()
-        if not rate > 0:
-            raise ValueError(f"scaler rate must be > 0, got {rate}")
-        self.rate = float(rate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.rate if self.training else x
-
-    def extra_repr(self) -> str:
-        return f"rate={self.rate}"
-
-
-def _batch_norm(static: bool) -> Callable[[int], nn.Module]:
-    """BatchNorm factory; `static=True` is HeteroFL's static BN (no running statistics)."""
-    if static:
-        return lambda c: nn.BatchNorm2d(c, momentum=None, track_running_stats=False)
-    return nn.BatchNorm2d
-
-
-class BasicBlock(nn.Module):
-    """ResNet basic block (two 3x3 convs) with an optional HeteroFL scaler after each conv.
-
-    Args:
-        in_planes: input channels.
-        planes: output channels.
-        stride: stride of the first conv (and of the projection shortcut).
-        norm: factory `channels -> normalization module`.
-        scaler_rate: when given, a `Scaler(scaler_rate)` follows every conv; else identity.
-    """
-
-    def __init__(
-        self,
-        in_planes: int,
-        planes: int,
-        stride: int = 1,
-        norm: Callable[[int], nn.Module] = nn.BatchNorm2d,
-        scaler_rate: float | None = None,
-    ) -> None:
-        super().__init__()
-
-        def scaler() -> nn.Module:
-            return Scaler(scaler_rate) if scaler_rate is not None else nn.Identity()
-
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.scaler1 = scaler()
-        self.bn1 = norm(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
-        self.scaler2 = scaler()
-        self.bn2 = norm(planes)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), scaler(), norm(planes)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.scaler1(self.conv1(x))))
-        out = self.bn2(self.scaler2(self.conv2(out)))
-        return torch.relu(out + self.shortcut(x))
-
-
-# --------------------------------------------------------------------------------------------
-# family seed3: the pFedES design document's three groups (feature_dim 128)
-# --------------------------------------------------------------------------------------------
-
+# -- family seed3: the pFedES design document's three groups (feature_dim 128) ---------------------
 _SEED3_FEATURES = 128
 
 
@@ -237,10 +139,7 @@ def mlp(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
 
 
-# --------------------------------------------------------------------------------------------
-# family cnn5: CNN-1..CNN-5 of the official pFedES code (feature_dim 500)
-# --------------------------------------------------------------------------------------------
-
+# -- family cnn5: CNN-1..CNN-5 of the official pFedES code (feature_dim 500) -----------------------
 # (conv2 output channels, fc1 output size) of CNN-1..CNN-5; conv1 is C->16 in all of them.
 _CNN5_SPECS = {1: (32, 2000), 2: (16, 2000), 3: (32, 1000), 4: (32, 800), 5: (32, 500)}
 _CNN5_FEATURES = 500
@@ -285,23 +184,11 @@ def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel
     return SplitModel(encoder, nn.Linear(_CNN5_FEATURES, num_classes), _CNN5_FEATURES)
 
 
-def _register_cnn5(index: int) -> None:
-    def builder(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-        return _cnn5(index, in_shape, num_classes)
-
-    builder.__name__ = f"cnn{index}"
-    builder.__qualname__ = f"cnn{index}"
-    builder.__doc__ = _cnn5.__doc__.replace("`index`", str(index)) if _cnn5.__doc__ else None
-    MODELS.add(f"cnn{index}", builder)
-
-
 for _index in _CNN5_SPECS:
-    _register_cnn5(_index)
+    MODELS.add(f"cnn{_index}", functools.partial(_cnn5, _index))
 
 
-# --------------------------------------------------------------------------------------------
-# pFedES proxies
-# --------------------------------------------------------------------------------------------
+# -- pFedES proxies --------------------------------------------------------------------------------
 
 
 class ProxyExtractor(nn.Module):
@@ -313,11 +200,6 @@ class ProxyExtractor(nn.Module):
 
     Its `encoder`/`head` attributes match a `SplitModel`, so the state dict of the registered
     `proxy_kd` SplitModel loads into it and back.
-
-    Args:
-        in_shape: input shape without the batch dimension.
-        num_classes: number of classes.
-        embed_dim: size of the embedding (the proxy's `feature_dim`).
     """
 
     def __init__(self, in_shape: Sequence[int], num_classes: int, embed_dim: int = 128) -> None:
@@ -372,9 +254,6 @@ class InputProxy(nn.Module):
     """pFedES's input proxy (official code, variant `input`): image -> image of the same shape.
 
     conv3x3 C->8, ReLU, conv3x3 8->C, ReLU, padding 'same'; 443 parameters for C=3.
-
-    Args:
-        channels: image channels C.
     """
 
     def __init__(self, channels: int) -> None:
@@ -390,106 +269,12 @@ class InputProxy(nn.Module):
 
 @MODELS.register("proxy_input")
 def proxy_input(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """`InputProxy(C)` for images `(C, H, W)`; returns the bare module (not a classifier).
-
-    `num_classes` is accepted for the common builder signature and otherwise ignored.
-    """
+    """`InputProxy(C)` for images `(C, H, W)`: the bare module (not a classifier)."""
     shape = _image_shape("proxy_input", in_shape, num_classes)
     return InputProxy(shape[0])
 
 
-# --------------------------------------------------------------------------------------------
-# family resnet_widths: width-scaled CIFAR-style ResNet-18 (HeteroFL / FedFD)
-# --------------------------------------------------------------------------------------------
-
-
-class _ResNetEncoder(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        channels: tuple[int, int, int, int],
-        norm: Callable[[int], nn.Module],
-        scaler_rate: float | None,
-    ) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, channels[0], 3, stride=1, padding=1, bias=False)
-        self.scaler1: nn.Module = Scaler(scaler_rate) if scaler_rate is not None else nn.Identity()
-        self.bn1 = norm(channels[0])
-        layers: list[nn.Module] = []
-        in_planes = channels[0]
-        for i, planes in enumerate(channels):
-            stride = 1 if i == 0 else 2
-            layers.append(
-                nn.Sequential(
-                    BasicBlock(in_planes, planes, stride, norm, scaler_rate),
-                    BasicBlock(planes, planes, 1, norm, scaler_rate),
-                )
-            )
-            in_planes = planes
-        self.layer1, self.layer2, self.layer3, self.layer4 = layers
-        self.pool = nn.AdaptiveAvgPool2d(1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.scaler1(self.conv1(x))))
-        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
-        return torch.flatten(self.pool(out), 1)
-
-
-class ResNet18(SplitModel):
-    """CIFAR-style ResNet-18 with a width multiplier (He et al. 2016; HeteroFL's width scaling).
-
-    Stem 3x3 conv stride 1 without max-pool, BasicBlocks [2, 2, 2, 2] with
-    `max(1, round(c * width))` channels for c in 64/128/256/512, global average pool; the
-    features are the pooled last stage (`feature_dim = round(512 * width)`), the head is one
-    linear layer. Every parameter of a narrower model is the leading slice of the same
-    parameter of a wider one, which `rayfl.models.slicing` relies on.
-
-    Args:
-        in_channels: image channels.
-        num_classes: number of classes.
-        width: width multiplier in (0, 1] (values above 1 also work).
-        static_bn: HeteroFL's static batch norm: `track_running_stats=False`, so batch
-            statistics are used in training and evaluation and no running buffers exist.
-        scaler: put a HeteroFL `Scaler(width)` after every conv (active in training only).
-    """
-
-    def __init__(
-        self,
-        in_channels: int,
-        num_classes: int,
-        width: float = 1.0,
-        static_bn: bool = False,
-        scaler: bool = False,
-    ) -> None:
-        if not width > 0:
-            raise ConfigError(f"ResNet18 width is {width}; it must be > 0")
-        channels = tuple(max(1, round(c * width)) for c in _RESNET18_CHANNELS)
-        c0, c1, c2, c3 = channels
-        encoder = _ResNetEncoder(
-            in_channels, (c0, c1, c2, c3), _batch_norm(static_bn), width if scaler else None
-        )
-        super().__init__(encoder, nn.Linear(c3, num_classes), c3)
-        self.width = float(width)
-        self.static_bn = bool(static_bn)
-
-
-def resnet_width(arch: str) -> float:
-    """Width multiplier of a `resnet_widths` architecture name (`resnet18` is 1.0).
-
-    Raises:
-        ConfigError: `arch` is not `resnet18` or `resnet18_w1`..`resnet18_w10`.
-    """
-    if arch == "resnet18":
-        return 1.0
-    prefix = "resnet18_w"
-    if arch.startswith(prefix) and arch[len(prefix) :].isdigit():
-        level = int(arch[len(prefix) :])
-        if 1 <= level <= len(RESNET18_WIDTHS):
-            return RESNET18_WIDTHS[level - 1]
-    raise ConfigError(
-        f"model {arch!r} is not a width-scaled ResNet-18; use 'resnet18' or "
-        f"'resnet18_w1'..'resnet18_w{len(RESNET18_WIDTHS)}'"
-    )
+# -- family resnet_widths: width-scaled CIFAR-style ResNet-18 (HeteroFL / FedFD) -------------------
 
 
 def _resnet18_builder(arch: str) -> Callable[[tuple[int, ...], int], SplitModel]:
@@ -499,11 +284,6 @@ def _resnet18_builder(arch: str) -> Callable[[tuple[int, ...], int], SplitModel]
         shape = _image_shape(arch, in_shape, num_classes)
         return ResNet18(shape[0], num_classes, width)
 
-    builder.__name__ = arch
-    builder.__qualname__ = arch
-    builder.__doc__ = (
-        f"CIFAR-style ResNet-18 of width {width:g} (feature_dim {round(512 * width)})."
-    )
     return builder
 
 
@@ -512,10 +292,7 @@ for _level in range(1, len(RESNET18_WIDTHS) + 1):
     MODELS.add(f"resnet18_w{_level}", _resnet18_builder(f"resnet18_w{_level}"))
 
 
-# --------------------------------------------------------------------------------------------
-# family tiny2: two very fast heterogeneous models for tests (feature_dim 16)
-# --------------------------------------------------------------------------------------------
-
+# -- family tiny2: two very fast heterogeneous models for tests (feature_dim 16) -------------------
 _TINY_FEATURES = 16
 
 

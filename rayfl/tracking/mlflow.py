@@ -10,14 +10,9 @@ simulation runs; ``close`` waits for them. ``log_batch`` also splits params and 
 MLflow's batch limits and cuts values that are too long (``MLFLOW_TRUNCATE_LONG_VALUES``).
 
 Outages: a failing tracking server never ends a simulation, and never holds it for minutes.
-rayfl bounds every HTTP call (:data:`HTTP_DEFAULTS`, unless the user set those variables), and
-after the first failed call the tracker logs one warning and sends nothing more for this run:
-the run directory holds every number.
-
-Metric and param keys: MLflow accepts only alphanumerics, ``_ - . /`` and spaces (colons too,
-except on Windows). :func:`mlflow_key` replaces every other character with ``_`` and removes
-empty, ``.`` and ``..`` path segments, so ``personal/acc/arch=cnn1`` is logged as
-``personal/acc/arch_cnn1``; keys that are already valid are unchanged.
+rayfl bounds every HTTP call (:data:`HTTP_DEFAULTS`), and after the first failed call the
+tracker logs one warning and sends nothing more for this run: the run directory holds every
+number.
 """
 
 from __future__ import annotations
@@ -63,13 +58,8 @@ _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
 
 
 def mlflow_key(key: str) -> str:
-    """Map a metric/param key onto MLflow's allowed names, changing as little as possible.
-
-    Example:
-        >>> mlflow_key("personal/acc/arch=cnn1")
-        'personal/acc/arch_cnn1'
-        >>> mlflow_key("comm/bytes_up")
-        'comm/bytes_up'
+    """A metric/param key as MLflow allows it (alphanumerics, ``_ - . /`` and spaces; normalized
+    paths), changing as little as possible: ``personal/acc/arch=cnn1`` -> ``personal/acc/arch_cnn1``.
     """
     out = _BAD_KEY_CHARS.sub("_", str(key))
     # MLflow also rejects keys that are not normalized paths ("/a", "a//b", "a/../b").
@@ -81,7 +71,6 @@ def client_for(uri: str) -> Any:
     """An ``MlflowClient`` for ``uri`` whose HTTP calls are bounded (:data:`HTTP_DEFAULTS`)."""
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
-
     return MlflowClient(tracking_uri=uri)
 
 
@@ -93,17 +82,11 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
-    """A client for ``uri`` and the id of ``experiment`` (created if needed).
+    """A client for ``uri`` and the id of ``experiment`` (created if needed; a UserError if deleted).
 
-    A SQLite store is opened under an exclusive file lock next to the database
-    (``<db>.lock``): MLflow creates and migrates the schema on first use, and two processes doing
-    that on a fresh file at once fail (``duplicate column name``). Its artifacts are kept next
-    to the database (``mlruns/<experiment>``), not under the working directory.
-
-    Raises:
-        UserError: the experiment is deleted.
+    A SQLite store is opened under a file lock (``<db>.lock``): two processes creating the schema
+    of a fresh file at once fail. Its artifacts are kept next to the database (``mlruns/<name>``).
     """
-
     db = _sqlite_path(uri)
     location = None
     if db is not None:
@@ -130,19 +113,9 @@ def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
 
 
 class MlflowTracker(TrackerBase):
-    """Tracker writing one MLflow run (params, stepped metrics, artifacts, tags).
-
-    Args:
-        experiment: Experiment name; created on first use.
-        run_name: Display name of the run.
-        tracking_uri: Store URI; defaults to :func:`~rayfl.tracking.base.default_tracking_uri`.
-        parent_run_id: Make this a child run (sets the ``mlflow.parentRunId`` tag).
-        tags: Tags set when the run is created.
-        run_id: Continue this MLflow run (a resumed simulation) instead of starting one.
-
-    Raises:
-        UserError: The store cannot be reached when the run is created.
-    """
+    """Tracker writing one MLflow run (params, stepped metrics, artifacts, tags), a child run of
+    ``parent_run_id`` if given, or continuing ``run_id`` (a resumed simulation). A UserError when
+    the store cannot be reached at the start."""
 
     def __init__(
         self,
@@ -183,7 +156,7 @@ class MlflowTracker(TrackerBase):
         logger.info(
             "MLflow run %s (%s) in %r at %s",
             self.run_id,
-            run.info.run_name,
+            self.run_name,
             experiment,
             self.tracking_uri,
         )
@@ -258,7 +231,6 @@ class MlflowTracker(TrackerBase):
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the flattened config as params and the whole of it as ``config.yaml``."""
-
         flat = tracked_params(flatten_config(config))
         params = [Param(mlflow_key(k), "None" if v is None else str(v)) for k, v in flat.items()]
         self._send("log_config", lambda: self.client.log_batch(self._run, params=params))
@@ -326,11 +298,7 @@ class MlflowTracker(TrackerBase):
         return self.client.get_metric_history(self._run, self._key(key))
 
     def log_artifact(self, path: str | Path) -> None:
-        """Upload a file (or a directory's contents, under its name) to the run.
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist (a caller bug, not a sink failure).
-        """
+        """Upload a file (or a directory's contents, under its name) to the run."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"artifact {path} does not exist")
@@ -342,7 +310,6 @@ class MlflowTracker(TrackerBase):
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags (MLflow cuts values past its length limit)."""
-
         items = [RunTag(str(k), str(v)) for k, v in tags.items()]
         if items:
             self._send("set_tags", lambda: self.client.log_batch(self._run, tags=items))
@@ -407,13 +374,8 @@ def end_child_runs(
 
 
 def delete_run(run_id: str, tracking_uri: str | None = None) -> bool:
-    """Delete MLflow run ``run_id`` (MLflow's soft delete: ``mlflow gc`` purges it, the UI can
-    restore it); True when it was deleted.
-
-    A suite run that restarts from round 1 (no checkpoint) replaces the partial MLflow run its
-    earlier attempt left, so that the suite's parent keeps one child per run. An unreachable
-    store or an unknown run is logged and ignored.
-    """
+    """Soft-delete MLflow run ``run_id`` (a suite run restarting from round 1 replaces its partial
+    run); True when deleted, an unreachable store or unknown run is logged and ignored."""
     uri = tracking_uri or default_tracking_uri()
     try:
         client_for(uri).delete_run(run_id)

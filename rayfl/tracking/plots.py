@@ -4,11 +4,8 @@ Figures are built with matplotlib's object API on the Agg canvas, never through 
 no display is needed, nothing is shown, and no global figure registry grows inside long-lived
 Ray workers or Tune trials.
 
-Input shapes:
-    * ``history``: one mapping per evaluated round, ``{"round": 3, "personal/acc": 0.71, ...}``;
-      a key missing from a round (metrics evaluated every k rounds) leaves a gap, not a zero.
-    * ``curves``: ``{algorithm: [(round, value), ...]}``, e.g. a mean over seeds.
-    * ``rows``: one mapping per trial of a sweep, parameters and final metrics side by side.
+A ``history`` is one mapping per evaluated round, ``{"round": 3, "personal/acc": 0.71, ...}``;
+a key missing from a round (metrics evaluated every k rounds) leaves a gap, not a zero.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,12 +34,12 @@ CURVES = "learning_curves.png"
 PER_ARCH = "per_architecture.png"
 
 # Reports show figures at most this wide (inches at `_save`'s 120 dpi: 1080 px, inside the HTML
-# page's 1100 px column), so a browser never scales them down and 10 pt text stays ~17 px.
+# page's 1100 px column), so a browser never scales them down.
 MAX_WIDTH_IN = 9.0
 
 
 def _finite(value: Any) -> float | None:
-    """Return ``value`` as a float if it is a finite real number, else None."""
+    """``value`` as a float if it is a finite real number, else None."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     out = float(value)
@@ -49,17 +47,10 @@ def _finite(value: Any) -> float | None:
 
 
 def series(history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
-    """Return ``[(round, value)]`` for ``key``, skipping rounds where it is missing or not finite.
-
-    Rounds without a ``"round"`` entry use their position in ``history``.
-    """
-    points = []
-    for i, row in enumerate(history):
-        y = _finite(row.get(key))
-        x = _finite(row.get("round", i))
-        if y is not None and x is not None:
-            points.append((x, y))
-    return points
+    """``[(round, value)]`` for ``key`` where it is finite; a row without ``"round"`` is at its
+    position in ``history``."""
+    rows = ((_finite(row.get("round", i)), _finite(row.get(key))) for i, row in enumerate(history))
+    return [(x, y) for x, y in rows if x is not None and y is not None]
 
 
 def default_keys(history: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -87,11 +78,19 @@ def _new_figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: floa
     return fig
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def _panels(n: int) -> tuple[Figure, Any]:
+    """A figure of `n` panels, two a row, as wide as a report shows; its axes, flat."""
+    ncols = min(2, n)
+    nrows = math.ceil(n / ncols)
+    fig = _new_figure(nrows, ncols, width=MAX_WIDTH_IN / 2, height=3.2)
+    return fig, fig.subplots(nrows, ncols, squeeze=False).ravel()
+
+
+def _save(fig: Figure, path: str | Path, **options: Any) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     kind = out.suffix.lstrip(".") or "png"
-    return write_with(out, lambda f: fig.savefig(f, format=kind, dpi=120))
+    return write_with(out, lambda f: fig.savefig(f, format=kind, **{"dpi": 120, **options}))
 
 
 def _no_data(ax: Axes, what: str) -> None:
@@ -114,15 +113,13 @@ def _lines(
             continue
         xs, ys = zip(*sorted(points))
         style = "--" if name.startswith("local-only") else "-"
-        (line,) = ax.plot(
-            xs, ys, style, marker="o" if len(xs) <= 30 else None, markersize=3, label=name
-        )
+        marker = "o" if len(xs) <= 30 else None
+        (line,) = ax.plot(xs, ys, style, marker=marker, markersize=3, label=name)
         std = dict(spread.get(name, ())) if spread else {}
         band = [(x, y, std[x]) for x, y in zip(xs, ys) if x in std]
         if len(band) > 1:
             bx, by, bs = zip(*band)
-            lo = [y - s for y, s in zip(by, bs)]
-            hi = [y + s for y, s in zip(by, bs)]
+            lo, hi = [y - s for y, s in zip(by, bs)], [y + s for y, s in zip(by, bs)]
             ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
         drawn += 1
     if drawn:
@@ -143,25 +140,11 @@ def plot_learning_curves(
     keys: Sequence[str] | None = None,
     title: str = "",
 ) -> Path:
-    """Plot metrics against rounds, one metric per panel (two panels a row).
-
-    ``personal/acc``'s panel also shows the local-only baseline (``baseline/local_acc``,
-    dashed) when the run computed it.
-
-    Args:
-        history: One mapping per round with ``"round"`` and metric values.
-        path: Output image file; its suffix picks the format.
-        keys: Metrics to draw, one panel each; default: :func:`default_keys`.
-        title: Figure title.
-
-    Returns:
-        ``path`` as a Path.
-    """
+    """Plot the metrics ``keys`` (default: :func:`default_keys`) against rounds, one panel each,
+    two a row; a panel also shows the metric's :data:`REFERENCES` the run has (e.g. the
+    local-only baseline, dashed)."""
     keys = list(default_keys(history) if keys is None else keys)
-    ncols = min(2, max(1, len(keys)))
-    nrows = max(1, math.ceil(len(keys) / ncols))
-    fig = _new_figure(nrows, ncols, width=MAX_WIDTH_IN / 2, height=3.2)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    fig, axes = _panels(max(1, len(keys)))
     if not keys:
         _no_data(axes[0], "accuracy metrics")
         axes[0].set_xlabel("round")
@@ -173,8 +156,7 @@ def plot_learning_curves(
         if not _lines(ax, named):
             _no_data(ax, key)
         ax.set_title(key, fontsize="medium")
-        ax.set_xlabel("round")
-        ax.set_ylabel(_ylabel(key))
+        ax.set(xlabel="round", ylabel=_ylabel(key))
     for ax in axes[max(1, len(keys)) :]:
         ax.set_visible(False)
     if title:
@@ -183,19 +165,13 @@ def plot_learning_curves(
 
 
 def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Plot personalized accuracy per architecture group (``personal/acc/arch=<name>``).
-
-    Returns:
-        ``path`` as a Path.
-    """
+    """Plot personalized accuracy per architecture group (``personal/acc/arch=<name>``)."""
     keys = sorted({k for row in history for k in row if k.startswith(ARCH_PREFIX)})
     fig = _new_figure()
     ax = fig.add_subplot()
     if not _lines(ax, {k[len(ARCH_PREFIX) :]: series(history, k) for k in keys}):
         _no_data(ax, f"{ARCH_PREFIX}*")
-    ax.set_xlabel("round")
-    ax.set_ylabel("personalized accuracy")
-    ax.set_title("accuracy per architecture")
+    ax.set(xlabel="round", ylabel="personalized accuracy", title="accuracy per architecture")
     return _save(fig, path)
 
 
@@ -213,20 +189,8 @@ def plot_bars(
     """Grouped bars: one group per category (e.g. architecture), one bar per series (e.g.
     algorithm, or pFedES beside the local-only baseline). The figure is at most
     `MAX_WIDTH_IN` wide whatever the number of bars, so its text stays legible in a report;
-    each bar carries its value when there are few bars, and an error bar when `errors` gives
-    one (e.g. the std over seeds).
-
-    Args:
-        groups: ``{series: {category: value}}``.
-        path: Output image file.
-        ylabel: Label of the y axis.
-        title: Axes title.
-        errors: ``{series: {category: std}}`` drawn as error bars.
-        xlabel: what the categories are (e.g. ``domain``).
-
-    Returns:
-        ``path`` as a Path.
-    """
+    each bar carries its value when there are few bars, and an error bar when `errors`
+    (``{series: {category: std}}``, like `groups`' ``{series: {category: value}}``) gives one."""
     categories = sorted({c for values in groups.values() for c in values})
     fig = _new_figure(width=min(MAX_WIDTH_IN, max(5.0, 1.6 * len(categories))), height=4.0)
     ax = fig.add_subplot()
@@ -244,14 +208,9 @@ def plot_bars(
         if label_bars:
             ax.bar_label(bars, fmt="%.3f", fontsize="small", padding=2)
     rotate = len(categories) > 6 or max(len(c) for c in categories) * len(categories) > 60
-    ax.set_xticks(
-        range(len(categories)),
-        categories,
-        rotation=30 if rotate else 0,
-        ha="right" if rotate else "center",
-    )
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ha = "right" if rotate else "center"
+    ax.set_xticks(range(len(categories)), categories, rotation=30 if rotate else 0, ha=ha)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     finite = [v for values in groups.values() for v in values.values() if _finite(v) is not None]
     if finite:
         ax.set_ylim(0, min(1.0, max(finite) * 1.15) if max(finite) <= 1 else max(finite) * 1.15)
@@ -270,32 +229,21 @@ def plot_compare(
     spread: Mapping[str, Sequence[tuple[int, float]]] | None = None,
     title: str = "",
 ) -> Path:
-    """Plot one curve per algorithm (e.g. mean accuracy over seeds against rounds).
+    """Plot one curve per algorithm (e.g. mean accuracy over seeds against rounds), with a band
+    of mean +- std where `spread` (``{algorithm: [(round, std), ...]}``) has one."""
 
-    Args:
-        curves: ``{algorithm: [(round, value), ...]}``.
-        path: Output image file.
-        ylabel: Label of the y axis (the metric).
-        spread: ``{algorithm: [(round, std), ...]}``: a band of mean +- std (over seeds).
-        title: Axes title.
+    def finite(pairs: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, list[Any]]:
+        return {
+            k: [(float(x), y) for x, v in p if (y := _finite(v)) is not None]
+            for k, p in pairs.items()
+        }
 
-    Returns:
-        ``path`` as a Path.
-    """
-    named = {
-        name: [(float(x), y) for x, v in points if (y := _finite(v)) is not None]
-        for name, points in curves.items()
-    }
-    bands = {
-        name: [(float(x), s) for x, v in points if (s := _finite(v)) is not None]
-        for name, points in (spread or {}).items()
-    }
+    named, bands = finite(curves), finite(spread or {})
     fig = _new_figure(width=7.5)
     ax = fig.add_subplot()
     if not _lines(ax, named, bands):
         _no_data(ax, ylabel)
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel="round", ylabel=ylabel)
     if title:
         ax.set_title(title, fontsize="medium")
     return _save(fig, path)
@@ -318,13 +266,8 @@ def cost_series(
             up = _finite(row.get("comm/bytes_up_total")) or 0.0
             down = _finite(row.get("comm/bytes_down_total")) or 0.0
             by_round.setdefault(rnd, []).append(((up + down) / 1e6, seconds, value))
-    mb, secs = [], []
-    for _, points in sorted(by_round.items()):
-        n = len(points)
-        y = sum(p[2] for p in points) / n
-        mb.append((sum(p[0] for p in points) / n, y))
-        secs.append((sum(p[1] for p in points) / n, y))
-    return mb, secs
+    means = [[sum(c) / len(points) for c in zip(*points)] for _, points in sorted(by_round.items())]
+    return [(m, y) for m, _, y in means], [(s, y) for _, s, y in means]
 
 
 def plot_cost_curves(
@@ -335,30 +278,19 @@ def plot_cost_curves(
 ) -> Path:
     """Two panels: `key` against cumulative communication (MB, up + down) and against
     cumulative wall time of the rounds, one line per name of `runs` (`{name: [history, ...]}`,
-    a run's seeds averaged round by round, `cost_series`): what an accuracy costs to reach.
-
-    Returns:
-        ``path`` as a Path.
-    """
-    fig = _new_figure(1, 2, width=MAX_WIDTH_IN / 2, height=3.2)
-    axes = fig.subplots(1, 2, squeeze=False).ravel()
+    a run's seeds averaged round by round, `cost_series`): what an accuracy costs to reach."""
+    fig, axes = _panels(2)
     series_of = {name: cost_series(histories, key) for name, histories in runs.items()}
-    for i, (ax, xlabel) in enumerate(
-        zip(axes, ("communication, MB (up + down, cumulative)", "wall time of rounds, s"))
-    ):
+    xlabels = ("communication, MB (up + down, cumulative)", "wall time of rounds, s")
+    for i, (ax, xlabel) in enumerate(zip(axes, xlabels)):
         if not _lines(ax, {name: pair[i] for name, pair in series_of.items()}):
             _no_data(ax, key)
         ax.xaxis.set_major_locator(AutoLocator())  # megabytes and seconds are not whole rounds
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(_ylabel(key))
+        ax.set(xlabel=xlabel, ylabel=_ylabel(key))
         ax.set_title(f"{key} vs {'communication' if i == 0 else 'time'}", fontsize="medium")
     if title:
         fig.suptitle(title)
     return _save(fig, path)
-
-
-def _is_numeric(values: Sequence[Any]) -> bool:
-    return all(_finite(v) is not None for v in values)
 
 
 def plot_metric_vs_params(
@@ -373,23 +305,9 @@ def plot_metric_vs_params(
     Numeric parameters get a numeric axis: logarithmic for the ones in ``log_params`` (sampled
     log-uniformly) and for positive values spanning two or more decades, as learning rates do;
     others get one column per distinct value, with the mean marked. Rows without a finite
-    ``metric`` or without the parameter are left out.
-
-    Args:
-        rows: One mapping per trial holding parameter values and ``metric``.
-        metric: The metric on the y axis.
-        params: The parameters, one subplot each.
-        path: Output image file.
-        log_params: Parameters drawn on a log axis whatever their span.
-
-    Returns:
-        ``path`` as a Path.
-    """
+    ``metric`` or without the parameter are left out."""
     params = list(params) or ["(none)"]
-    ncols = min(2, len(params))
-    nrows = math.ceil(len(params) / ncols)
-    fig = _new_figure(nrows, ncols, width=MAX_WIDTH_IN / 2, height=3.2)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    fig, axes = _panels(len(params))
     for ax in axes[len(params) :]:
         fig.delaxes(ax)  # the odd panel's empty neighbour
     for ax, param in zip(axes, params):
@@ -398,14 +316,12 @@ def plot_metric_vs_params(
             for row in rows
             if param in row and (y := _finite(row.get(metric))) is not None
         ]
-        ax.set_xlabel(param)
-        ax.set_ylabel(metric)
+        ax.set(xlabel=param, ylabel=metric)
         if not pairs:
             _no_data(ax, f"{metric} vs {param}")
             continue
-        xs = [x for x, _ in pairs]
-        ys = [y for _, y in pairs]
-        if _is_numeric(xs):
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        if all(_finite(x) is not None for x in xs):
             fx = [float(x) for x in xs]
             ax.scatter(fx, ys, s=18)
             if min(fx) > 0 and (param in log_params or max(fx) / min(fx) >= 100):
@@ -414,11 +330,7 @@ def plot_metric_vs_params(
             labels = sorted({str(x) for x in xs})
             pos = {label: i for i, label in enumerate(labels)}
             ax.scatter([pos[str(x)] for x in xs], ys, s=18, alpha=0.7)
-            means = [
-                sum(y for x, y in pairs if str(x) == label)
-                / sum(1 for x, _ in pairs if str(x) == label)
-                for label in labels
-            ]
+            means = [statistics.fmean(y for x, y in pairs if str(x) == label) for label in labels]
             ax.scatter(range(len(labels)), means, marker="_", s=400, color="black", label="mean")
             ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
             ax.set_xlim(-0.5, len(labels) - 0.5)
@@ -448,8 +360,6 @@ def plot_class_counts(counts: Any, dataset: str, path: str | Path) -> Path:
         image = ax.imshow(shares, aspect="auto", interpolation="nearest", cmap="viridis")
         fig.colorbar(image, ax=ax, label="share of the client's training samples")
         ax.set_xlabel("class")
-        ax.set_ylabel("client")
-        ax.set_title(title)
     else:
         fig = Figure(figsize=(8.0, min(2.0 + 0.25 * n_clients, 40.0)))
         ax = fig.add_subplot()
@@ -463,15 +373,12 @@ def plot_class_counts(counts: Any, dataset: str, path: str | Path) -> Path:
             ax.barh(clients, counts[:, cls], left=left, color=color, label=str(cls), height=0.8)
             left += counts[:, cls]
         ax.set_xlabel("training samples")
-        ax.set_ylabel("client")
-        ax.set_title(title)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(n_clients - 0.5, -0.5)  # client 0 on top, no empty rows
         if n_classes <= 20:
             ax.legend(title="class", loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_with(path, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight"))
+    ax.set(ylabel="client", title=title)
+    return _save(fig, path, dpi=100, bbox_inches="tight")
 
 
 def plot_run(

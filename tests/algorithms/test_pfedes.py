@@ -10,11 +10,11 @@ from rayfl.algorithms.base import ClientContext, Reply, RoundContext, ServerCont
 from rayfl.algorithms.pfedes import (
     VARIANTS,
     PFedESClient,
-    PFedESInputClient,
     PFedESKDClient,
     PFedESParams,
     PFedESServer,
 )
+from rayfl.algorithms.pfedes_input import PFedESInputClient
 from rayfl.errors import ConfigError
 
 RND = RoundContext(1, 2)  # round 1 of 2

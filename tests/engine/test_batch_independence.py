@@ -147,7 +147,7 @@ def test_pfedes_input_scores_a_batch_norm_model_with_the_statistics_of_x():
     """Stage 1 of pFedES `input` feeds F both x and G(x); F's running statistics must follow x
     alone, what F is scored on (with G(x)'s mixed in, a batch-norm model scored on x
     collapses)."""
-    from rayfl.algorithms.pfedes import PFedESInputClient
+    from rayfl.algorithms.pfedes_input import PFedESInputClient
 
     torch.manual_seed(0)
     client = PFedESInputClient.__new__(PFedESInputClient)

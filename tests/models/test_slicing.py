@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rayfl.models.resnet import RESNET18_WIDTHS, ResNet18
 from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
-from rayfl.models.zoo import RESNET18_WIDTHS, ResNet18
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,8 @@ import torch
 
 from rayfl.errors import ConfigError
 from rayfl.models import MODELS, SplitModel, build_model
-from rayfl.models.zoo import (
-    AUXILIARY_MODELS,
-    RESNET18_WIDTHS,
-    InputProxy,
-    ProxyExtractor,
-    ResNet18,
-    Scaler,
-    resnet_width,
-)
+from rayfl.models.resnet import RESNET18_WIDTHS, ResNet18, Scaler, resnet_width
+from rayfl.models.zoo import AUXILIARY_MODELS, InputProxy, ProxyExtractor
 
 IMAGE_SHAPES = [(1, 28, 28), (3, 32, 32), (1, 8, 8)]
 ZOO_MODELS = (
