@@ -157,8 +157,12 @@ def _options(tp: Any) -> list[str]:
     return []
 
 
-def convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats)."""
+INT_CAP = 2**63  # every number fits 64 bits unless its field declares a wider range
+
+
+def convert(value: Any, tp: Any, key: str, cap: int = INT_CAP) -> Any:
+    """Check `value` against the annotation `tp` and convert it (lists to tuples, ints to floats);
+    a number's magnitude stays below `cap`."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
@@ -169,7 +173,7 @@ def convert(value: Any, tp: Any, key: str) -> Any:
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return convert(value, arg, key)
+                return convert(value, arg, key, cap)
             except ConfigError as exc:
                 errors.append(exc)
         options = [_options(a) for a in args if a is not type(None)]
@@ -210,13 +214,13 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
-                return _number(int(value), key)
+                return _number(int(value), key, cap)
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return _number(value, key)
+        return _number(value, key, cap)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return _number(float(value), key)
+        return _number(float(value), key, cap)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -224,18 +228,21 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
-BIG_INTS = {"privacy.dp.noise_seed"}  # a 128-bit secret drawn from the OS (`rayfl.privacy.dp`)
-
-
-def _number(value: float, key: str) -> Any:
-    """Every number in the schema is finite and fits 64 bits (and is >= 0, see `from_dict`)."""
+def _number(value: float, key: str, cap: int) -> Any:
+    """Every number in the schema is finite and below `cap` (and is >= 0, see `from_dict`)."""
     if not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number (got {value!r})")
-    if key in BIG_INTS and isinstance(value, int) and value < 2**128:
-        return value
-    if abs(value) >= 2**63:
-        raise ConfigError(f"{key}: must be below 2^63 (got {float(value):g})")
+    if abs(value) >= cap:
+        raise ConfigError(f"{key}: must be below 2^{cap.bit_length() - 1} (got {float(value):g})")
     return value
+
+
+def _cap(f: dataclasses.Field[Any]) -> int:
+    """A field's bound on magnitude: 64 bits, or the wider upper end its range declares."""
+    rng = range_of(f)
+    if rng is not None and rng.hi is not None and rng.hi > INT_CAP:
+        return int(rng.hi) + (0 if rng.hi_open else 1)
+    return INT_CAP
 
 
 # Settings that no longer exist, and why (docs/performance.md, "Engine options and what they cost")
@@ -265,7 +272,9 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
                 f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
             )
     kwargs = {
-        name: convert(data[name], hints[name], f"{prefix}{name}") for name in fields if name in data
+        name: convert(data[name], hints[name], f"{prefix}{name}", _cap(fields[name]))
+        for name in fields
+        if name in data
     }
     missing = [
         n

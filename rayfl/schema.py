@@ -275,7 +275,9 @@ class DPConfig:
     noise_multiplier: float = setting(1.0, "noise std on the sum = noise_multiplier * clip")
     delta: float = setting(1e-5, "target delta of the reported (epsilon, delta)", gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = setting("rdp", "dp-accounting's RDP or PLD accountant")
-    noise_seed: int | None = setting(None, "null: OS entropy; a number: tests only, no privacy")
+    noise_seed: int | None = setting(
+        None, "null: OS entropy (128 bits); a number: tests only, no privacy", lt=2**128
+    )
 
 
 @dataclass(frozen=True)
