@@ -31,6 +31,9 @@ def tiny_copy(tmp_path: Path) -> Path:
     base["engine"].update(rounds=1, device="cpu", eval_every=1, checkpoint_every=0)
     base["tracking"] = {"backend": "none"}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    # the test session's cluster has 2 CPUs where a GPU machine has many: CPUs shrink, GPUs stay
+    for key, cpus in (("engine.worker_resources", 0.2), ("engine.server_resources", 0.1)):
+        suite["settings"][0]["overrides"][key]["num_cpus"] = cpus
     suite.update(base_file="base.yaml", seeds=[0])
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite))
@@ -46,7 +49,7 @@ def test_the_paper_suite_packs_three_fractional_gpu_runs(ray_local, tmp_path):
     shipped = yaml.safe_load(SUITE.read_text())
     assert shipped["parallel"] == 3
     result = rayfl.suite(tiny_copy(tmp_path), out=tmp_path / "out", progress=False)
-    rows = {r["label"]: r for r in result.rows}
+    rows = {r["label"]: r for r in result.runs}
     assert set(rows) == {"fedfd", "fedgd_logit", "heterofl"}
     for label, row in rows.items():
         assert row["status"] == "FINISHED", (label, row)

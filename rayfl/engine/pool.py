@@ -118,6 +118,7 @@ class WorkerPool:
     cls: Any
     actors: list[Any]
     shapes: list[Resources]
+    server_options: dict[str, Any]  # where the server actor goes (`pinned`)
 
     def dispatch(
         self,
@@ -195,19 +196,52 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
         sizes = fit_pools(e, per_round, arch_shapes(e, archs), ray.cluster_resources())
     else:
         sizes = {e.worker_resources: plan_workers(e, per_round)}
+    shapes = [shape for shape, count in sizes.items() for _ in range(count)]
+    server = [e.server_resources] if bundle(e.server_resources) else []
+    where = pinned([*shapes, *server])
     actors: list[Any] = []
-    shapes: list[Resources] = []
     cls: Any = None
-    for shape, count in sizes.items():
+    for shape, options in zip(shapes, where):
         cls = ray.remote(ClientWorker).options(
             num_cpus=shape.num_cpus,
             num_gpus=shape.num_gpus,
             max_restarts=-1,
             max_task_retries=e.max_retries,
+            **options,
         )
-        actors += [cls.remote() for _ in range(count)]
-        shapes += [shape] * count
-    return WorkerPool(len(actors), cls, actors, shapes)
+        actors.append(cls.remote())
+    return WorkerPool(len(actors), cls, actors, shapes, where[-1] if server else {})
+
+
+def pinned(requests: Sequence[Resources]) -> list[dict[str, Any]]:
+    """Scheduling options that put each actor of `requests` in a bundle of its own, of its own
+    shape, when this process runs inside a placement group (a suite run or a sweep trial, whose
+    bundles are `rayfl.tune.trial.trial_bundles`: this process's, then one per actor). Left to
+    any bundle, Ray may take an actor's CPU from one bundle and its GPU from another, so that no
+    bundle still fits the next actor and it waits for ever."""
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is None:
+        return [{} for _ in requests]
+    specs = pg.bundle_specs
+    free = list(range(1, len(specs)))  # bundle 0: this process
+    out: list[dict[str, Any]] = []
+    for res in requests:
+        want = bundle(res)
+        index = next((i for i in free if _cpu_gpu(specs[i]) == want), None)
+        if index is None:
+            out.append({})
+            continue
+        free.remove(index)
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+        out.append({"scheduling_strategy": strategy})
+    return out
+
+
+def _cpu_gpu(spec: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in spec.items() if k in ("CPU", "GPU") and v > 0}
 
 
 def run_shapes(cfg: Any, total: Mapping[str, float], one_each: bool = False) -> list[Resources]:

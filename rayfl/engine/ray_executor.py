@@ -78,8 +78,7 @@ class RayExecutor(Executor):
         self._final_scoring: _Scoring | None = None
         self._scorer: ThreadPoolExecutor | None = None  # scores a driver server's models
         self.states: dict[int, ray.ObjectRef] = {}
-        # The server state after the last finished server step, owned by the driver: a restarted
-        # server starts from it (None: a fresh server, built from the seed, is identical).
+        # the last server state, owned by the driver: a restarted server starts from it
         self._server_state: Any = None
         self._clock = clock = clock or StartupClock()
         with clock.phase("ray_start"):
@@ -88,8 +87,9 @@ class RayExecutor(Executor):
             with clock.phase("actors_launch"):
                 self.pool = start_workers(e, spec.per_round, spec.archs)
                 self.workers = self.pool.actors
+                res, where = e.server_resources, self.pool.server_options
                 self._server_cls: Any = ray.remote(ServerActor).options(
-                    num_cpus=e.server_resources.num_cpus, num_gpus=e.server_resources.num_gpus
+                    num_cpus=res.num_cpus, num_gpus=res.num_gpus, **where
                 )
                 if not server_in_driver(e):  # its process starts while the dataset is put
                     self.server = self._server_cls.remote()
