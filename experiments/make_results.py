@@ -194,7 +194,7 @@ def headline_section(data: Mapping[str, Any]) -> list[str]:
     if data.get("note"):
         out += [data["note"], ""]
     out += [
-        f"Command (one per seed): `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.",
+        f"Command: `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.",
         "",
     ]
 
@@ -366,7 +366,8 @@ def domains_section(data: Mapping[str, Any]) -> list[str]:
     out += [
         "Protocol: every client scored in the final round with the model it would deploy, "
         "unweighted mean over clients; the domain columns average the clients of each domain. "
-        "No run here has the no-federation control (`eval.federation_control`).",
+        "No run here has the no-federation control (`eval.federation_control`); "
+        "pfedes_kd with both controls is in its own section.",
         "",
     ]
     return out
