@@ -15,7 +15,7 @@ from rayfl.algorithms.fedala import FedALAClient, FedALAParams
 from rayfl.algorithms.fedbabu import FedBABUClient, FedBABUParams, FedBABUServer
 from rayfl.algorithms.fedper import FedPerServer
 from rayfl.algorithms.fedrep import FedRepClient, FedRepParams
-from rayfl.algorithms.fedrod import balanced_softmax_loss
+from rayfl.algorithms.fedrod import FedRoDClient, balanced_softmax_loss
 from rayfl.algorithms.functional import grouped_average
 from rayfl.algorithms.groups import extractor, frozen, without_batchnorm
 from rayfl.config import TrainConfig
@@ -228,3 +228,17 @@ def test_ditto_and_apfl_personal_models_start_as_the_first_global_model():
         client.receive({k: v + 1 for k, v in payload.items()}, RND)
         client.fit(frozen_trainer())  # later fits keep it
         torch.testing.assert_close(snapshot(client.model), mine, rtol=0, atol=1e-6)
+
+
+def test_fedrod_personal_head_starts_as_the_first_generic_head():
+    client = FedRoDClient(context(), NoParams())
+    torch.manual_seed(7)
+    glob = build_model("tiny_a", SHAPE, 3).state_dict()
+    payload = {k: v.numpy() for k, v in glob.items()}
+    assert not torch.equal(client.personal_head.weight, glob["head.weight"])  # own draw
+    client.receive(payload, RND)  # as PFLlib's copy of the initial generic head
+    torch.testing.assert_close(client.personal_head.weight, glob["head.weight"], rtol=0, atol=0)
+    client.fit(trainer())
+    trained = snapshot(client.personal_head)
+    client.receive({k: v + 1 for k, v in payload.items()}, RND)  # later broadcasts keep it
+    torch.testing.assert_close(snapshot(client.personal_head), trained, rtol=0, atol=0)
