@@ -261,8 +261,8 @@ def rayfl_inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "",
         "rayfl's seed draws both the partition and the initial models. Here the streams of the "
         "initial models (`Purpose.INIT`, `Purpose.SERVER`) take seed + 1000 x offset while the "
-        "partition, the splits and the batch order keep the row's seed (a diagnosis script, "
-        "`script`; offset 0 is the compare row itself).",
+        "partition, the splits and the batch order keep the row's seed "
+        "(`experiments/peers/diagnose.py init`; offset 0 is the compare row itself).",
         "",
         "| algorithm | partition seed | init offset | accuracy (%) after rounds 1.. | command |",
         "|---|---|---|---|---|",
@@ -273,7 +273,5 @@ def rayfl_inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"| {row['algo']} | {row['partition_seed']} | {row['rayfl_init_offset']} | {accs} | "
             f"`{row['command']}` |"
         )
-    if rows[0].get("script"):
-        out += ["", f"- script: `{rows[0]['script']}`"]
     out.append("")
     return out
