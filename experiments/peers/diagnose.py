@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--out", type=Path)
     ap.add_argument("overrides", nargs="*", help="variant: dotted.key=JSON")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may follow the options
     a.num_classes, a.side = 100, 16  # htfllib.rayfl_config reads them for synthetic data only
     peer = htfllib if a.peer == "htfllib" else pfllib
     raw = peer.rayfl_config(a)
