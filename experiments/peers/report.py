@@ -152,6 +152,9 @@ def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> lis
         for r in range(rounds):
             ds = [delta(m["rayfl"][r], m[key][r]) for m in members]
             ok = [d for d in ds if d is not None]
+            if not ok:  # a round only one side scores (FedBABU's before PFLlib's fine-tuning)
+                cells.append("-")
+                continue
             mean = statistics.mean(ok)
             std = statistics.stdev(ok) if len(ok) > 1 else float("nan")
             flag = "" if abs(mean) <= TOLERANCE else " (over)"
