@@ -240,7 +240,8 @@ def run_htfllib(
         if algo == "fedmrl" and "sub_feature_dim" not in flags:  # rayfl's default: its own size
             args.sub_feature_dim = RayflNet(meme, in_shape, num_classes).feature_dim
     args.save_folder_name = "temp"  # main.py's default: system/temp/..., deleted at the end
-    torch.manual_seed(0)  # as main.py
+    # as main.py; HTFL_INIT_SEED (a diagnosis, `diagnose.py`) draws the shared model otherwise
+    torch.manual_seed(int(os.environ.get("HTFL_INIT_SEED", "0")))
     server = server_cls(args, 0)
     server.train()
     return [float(a) for a in server.rs_test_acc]

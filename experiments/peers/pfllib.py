@@ -182,7 +182,10 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     ours = [h["personal/acc"] for h in sim.result.history if "personal/acc" in h]
     dataset = f"rayfl_{a.algo}_{a.dataset}_s{a.seed}"
     htfllib.convert(work / "rayfl", a.dest / "dataset" / dataset)  # overwrites an earlier one
-    flags = ALGOS[a.algo][3] + ["--global_rounds", str(a.rounds)]
+    # PFLlib's loop trains global_rounds + 1 times and evaluates before each training; FedBABU's
+    # last entry follows all of them (serverbabu.py:24, 60-63), so it runs one round fewer
+    rounds = a.rounds - 1 if a.algo == "fedbabu" else a.rounds
+    flags = ALGOS[a.algo][3] + ["--global_rounds", str(rounds)]
     flags += ["--local_learning_rate", str(a.lr), "--batch_size", "10", "--local_epochs", "1"]
     flags += a.pfllib_flags
     cmd = [a.python, __file__, "pfllib", "--dest", str(a.dest), "--dataset", dataset]

@@ -108,6 +108,8 @@ def row_table(row: Mapping[str, Any], key: str, peer: str) -> list[str]:
         out.append(f"- {row['note']}")
     if row.get("rayfl_failed"):
         out.append(f"- rayfl stopped: {row['rayfl_failed']}")
+    if row.get("superseded"):
+        out.append(f"- Superseded (left out of the summaries over seeds): {row['superseded']}")
     out.append("")
     ours, theirs = row["rayfl"], row[key]
     body = []
@@ -135,6 +137,8 @@ def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> lis
     mean ± sample std over the seeds, and each seed's."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for row in rows:
+        if row.get("superseded"):  # an earlier rayfl code's run, kept for the record
+            continue
         groups.setdefault(group_key(row, key), []).append(row)
     lines = []
     for members in groups.values():
@@ -148,6 +152,9 @@ def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> lis
         for r in range(rounds):
             ds = [delta(m["rayfl"][r], m[key][r]) for m in members]
             ok = [d for d in ds if d is not None]
+            if not ok:  # a round only one side scores (FedBABU's before PFLlib's fine-tuning)
+                cells.append("-")
+                continue
             mean = statistics.mean(ok)
             std = statistics.stdev(ok) if len(ok) > 1 else float("nan")
             flag = "" if abs(mean) <= TOLERANCE else " (over)"
@@ -211,6 +218,8 @@ def sections(folder: Path) -> list[str]:
         out += section(read_rows(folder / "htfllib.jsonl"))
     if (folder / "htfllib_inits.jsonl").is_file():
         out += inits_section(read_rows(folder / "htfllib_inits.jsonl"))
+    if (folder / "rayfl_inits.jsonl").is_file():
+        out += rayfl_inits_section(read_rows(folder / "rayfl_inits.jsonl"))
     if (folder / "pfllib.jsonl").is_file():
         out += pfllib_section(read_rows(folder / "pfllib.jsonl"))
     return out
@@ -225,14 +234,47 @@ def inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "",
         "HtFLlib seeds torch with 0 before building every client (`clientbase.py:20`), so all "
         "its rows above start from one draw of initial models. Here a copy of HtFLlib with that "
-        "seed set to S (the one-line change in `patch`; not a peer check) runs on the seed-0 "
-        f"partition of the rows above. Patch: `{rows[0]['patch']}`.",
+        "seed set to S (the one-line change in `patch`; not a peer check) runs on the partition "
+        "of the rows above with the given seed (the rows' settings: Local and FedL2G 3,000 "
+        "training images, FML 1,500; FML's rows also seed main.py's `torch.manual_seed(0)`, "
+        "which draws the shared model, with S). Patches: "
+        + "; ".join(f"`{p}`" for p in dict.fromkeys(row["patch"] for row in rows))
+        + ".",
         "",
-        "| algorithm | HtFLlib init seed | accuracy (%) after rounds 1.. of training | command |",
-        "|---|---|---|---|",
+        "| algorithm | partition seed | HtFLlib init seed | accuracy (%) after rounds 1.. of "
+        "training | command |",
+        "|---|---|---|---|---|",
     ]
     for row in rows:
         accs = ", ".join(f"{100 * v:.1f}" for v in row["after_training_rounds"])
-        out.append(f"| {row['algo']} | {row['htfllib_init_seed']} | {accs} | `{row['command']}` |")
+        out.append(
+            f"| {row['algo']} | {row['partition_seed']} | {row['htfllib_init_seed']} | {accs} | "
+            f"`{row['command']}` |"
+        )
+    out.append("")
+    return out
+
+
+def rayfl_inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """rayfl's accuracy on one partition with other initial draws (a diagnosis)."""
+    if not rows:
+        return []
+    out = [
+        "### rayfl's initial draw (diagnosis)",
+        "",
+        "rayfl's seed draws both the partition and the initial models. Here the streams of the "
+        "initial models (`Purpose.INIT`, `Purpose.SERVER`) take seed + 1000 x offset while the "
+        "partition, the splits and the batch order keep the row's seed "
+        "(`experiments/peers/diagnose.py init`; offset 0 is the compare row itself).",
+        "",
+        "| algorithm | partition seed | init offset | accuracy (%) after rounds 1.. | command |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        accs = ", ".join(f"{100 * v:.1f}" for v in row["rayfl"])
+        out.append(
+            f"| {row['algo']} | {row['partition_seed']} | {row['rayfl_init_offset']} | {accs} | "
+            f"`{row['command']}` |"
+        )
     out.append("")
     return out

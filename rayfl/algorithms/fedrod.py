@@ -11,14 +11,17 @@ optimizers, `out_g.detach() + out_p`); FL-bench `fedrod` (its hypernetwork varia
 default there, is not implemented).
 
 Shares: the extractor and the generic head (the whole `SplitModel`), both ways.
-Keeps local: the personal head.
+Keeps local: the personal head, which starts as a copy of the generic head of the first
+broadcast the client receives (PFLlib `clientrod.py:15` and FL-bench copy the generic head of
+the common initial model; with every client in the first round that is the same head).
 Server: per architecture, the sample-weighted average of the models (`rayfl.algorithms.groups`;
 with several architectures each group shares within itself); scored as `global/acc`.
 
 Deviations: one optimizer over both heads' disjoint losses (their gradients never meet, so with
 SGD it equals PFLlib's two); the class counts are recounted from the client's train split each
-round rather than kept. A class absent from the client has count 0 and log-count -inf, as in
-PFLlib: its shifted logit vanishes from the softmax.
+round rather than kept; a client first sampled after round 1 starts its personal head from that
+round's generic head (PFLlib: the initial one). A class absent from the client has count 0 and
+log-count -inf, as in PFLlib: its shifted logit vanishes from the softmax.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from rayfl.algorithms.base import (
     Algorithm,
     ClientContext,
     NoParams,
+    Payload,
+    RoundContext,
     Trainer,
 )
-from rayfl.algorithms.groups import GroupClient, GroupServer
+from rayfl.algorithms.groups import Flag, GroupClient, GroupServer
 from rayfl.models.base import SplitModel
 
 
@@ -67,10 +72,17 @@ class FedRoDClient(GroupClient[NoParams]):
     def __init__(self, ctx: ClientContext, params: NoParams) -> None:
         super().__init__(ctx, params)
         self.personal_head = copy.deepcopy(self.model.head)
-        self.persistent = {"personal_head": self.personal_head}
+        self.started = Flag()  # set once the personal head has trained
+        self.persistent = {"personal_head": self.personal_head, "started": self.started}
         self.counts = torch.ones(ctx.num_classes)
 
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        super().receive(payload, rnd)
+        if not self.started.is_set():  # the personal head starts as the generic head
+            self.personal_head.load_state_dict(self.model.head.state_dict())
+
     def fit(self, trainer: Trainer) -> dict[str, float]:
+        self.started.set()
         labels = torch.cat([y for _, y in trainer.batches("train")])
         self.counts = torch.bincount(labels, minlength=self.ctx.num_classes).float()
         return trainer.run(self.training_step, [self.model, self.personal_head])

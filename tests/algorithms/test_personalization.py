@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rayfl.algorithms.apfl import APFLClient, APFLParams, mixture
 from rayfl.algorithms.base import ClientContext, NoParams, Reply, RoundContext, ServerContext
@@ -15,12 +16,12 @@ from rayfl.algorithms.fedala import FedALAClient, FedALAParams
 from rayfl.algorithms.fedbabu import FedBABUClient, FedBABUParams, FedBABUServer
 from rayfl.algorithms.fedper import FedPerServer
 from rayfl.algorithms.fedrep import FedRepClient, FedRepParams
-from rayfl.algorithms.fedrod import balanced_softmax_loss
+from rayfl.algorithms.fedrod import FedRoDClient, balanced_softmax_loss
 from rayfl.algorithms.functional import grouped_average
 from rayfl.algorithms.groups import extractor, frozen, without_batchnorm
 from rayfl.config import TrainConfig
 from rayfl.data.datasets import load_dataset
-from rayfl.engine.training import LocalTrainer
+from rayfl.engine.training import LocalTrainer, shuffled_batches
 from rayfl.errors import ConfigError
 from rayfl.models import build_model
 
@@ -228,3 +229,53 @@ def test_ditto_and_apfl_personal_models_start_as_the_first_global_model():
         client.receive({k: v + 1 for k, v in payload.items()}, RND)
         client.fit(frozen_trainer())  # later fits keep it
         torch.testing.assert_close(snapshot(client.model), mine, rtol=0, atol=1e-6)
+
+
+def test_fedrod_personal_head_starts_as_the_first_generic_head():
+    client = FedRoDClient(context(), NoParams())
+    torch.manual_seed(7)
+    glob = build_model("tiny_a", SHAPE, 3).state_dict()
+    payload = {k: v.numpy() for k, v in glob.items()}
+    assert not torch.equal(client.personal_head.weight, glob["head.weight"])  # own draw
+    client.receive(payload, RND)  # as PFLlib's copy of the initial generic head
+    torch.testing.assert_close(client.personal_head.weight, glob["head.weight"], rtol=0, atol=0)
+    client.fit(trainer())
+    trained = snapshot(client.personal_head)
+    client.receive({k: v + 1 for k, v in payload.items()}, RND)  # later broadcasts keep it
+    torch.testing.assert_close(snapshot(client.personal_head), trained, rtol=0, atol=0)
+
+
+def test_fedrod_fit_equals_pfllibs_two_optimizer_loop():
+    # PFLlib clientrod.py:42-59 per batch: an SGD step of extractor + generic head on the
+    # balanced softmax loss, then one of the personal head on CE(out_g.detach() + out_p), both
+    # from the batch's one forward pass; rayfl takes one step on the sum of the two losses
+    client = FedRoDClient(context(), NoParams())
+    torch.manual_seed(3)
+    glob = build_model("tiny_a", SHAPE, 3).state_dict()
+    client.receive({k: v.numpy() for k, v in glob.items()}, RND)
+    ref = build_model("tiny_a", SHAPE, 3)
+    ref.load_state_dict(glob)
+    head = build_model("tiny_a", SHAPE, 3).head
+    head.load_state_dict(client.personal_head.state_dict())
+    ds = load_dataset("synthetic", num_samples=60, num_test=10, shape=SHAPE, num_classes=3)
+    plain = TrainConfig(batch_size=16, lr=0.5, momentum=0.0, local_epochs=1)  # PFLlib's SGD
+    t = LocalTrainer(
+        ds, np.arange(50), np.arange(50, 60), plain, CPU, torch.Generator().manual_seed(5)
+    )
+    data = t.data("train")
+    counts = torch.bincount(data.y, minlength=3).float()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt_head = torch.optim.SGD(head.parameters(), lr=0.5)
+    order = torch.Generator().manual_seed(5)  # the trainer's generator: the same batches
+    for x, y in shuffled_batches(data.x, data.y, 16, order):
+        rep = ref.features(x)
+        out_g = ref.head(rep)
+        opt.zero_grad()
+        F.cross_entropy(out_g + counts.log(), y).backward()
+        opt.step()
+        opt_head.zero_grad()
+        F.cross_entropy(out_g.detach() + head(rep.detach()), y).backward()
+        opt_head.step()
+    client.fit(t)
+    torch.testing.assert_close(snapshot(client.model), snapshot(ref), rtol=0, atol=1e-6)
+    torch.testing.assert_close(snapshot(client.personal_head), snapshot(head), rtol=0, atol=1e-6)
