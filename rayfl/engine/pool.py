@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -119,6 +119,7 @@ class WorkerPool:
     actors: list[Any]
     shapes: list[Resources]
     server_options: dict[str, Any]  # where the server actor goes (`pinned`)
+    placements: dict[int, int] = field(default_factory=dict)  # client -> worker that last ran it
 
     def dispatch(
         self,
@@ -151,6 +152,7 @@ class WorkerPool:
                 while free and queue:
                     index, batch = free.popleft(), queue.popleft()
                     ref, handle = submit(self.actors[index], batch, [states.get(c) for c in batch])
+                    self.placements.update(dict.fromkeys(batch, index))
                     running[ref] = (index, batch, handle)
             if not running:
                 return

@@ -86,7 +86,7 @@ class RayExecutor(Executor):
         try:
             with clock.phase("actors_launch"):
                 self.pool = start_workers(e, spec.per_round, spec.archs)
-                self.workers = self.pool.actors
+                self.workers, self.placements = self.pool.actors, self.pool.placements
                 res, where = e.server_resources, self.pool.server_options
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=res.num_cpus, num_gpus=res.num_gpus, **where
