@@ -115,7 +115,6 @@ class WorkerPool:
     `actors[i]` (one pool per resource shape: `engine.resources_by_arch`)."""
 
     num_workers: int
-    cls: Any
     actors: list[Any]
     shapes: list[Resources]
     server_options: dict[str, Any]  # where the server actor goes (`pinned`)
@@ -202,7 +201,6 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
     server = [e.server_resources] if bundle(e.server_resources) else []
     where = pinned([*shapes, *server])
     actors: list[Any] = []
-    cls: Any = None
     for shape, options in zip(shapes, where):
         cls = ray.remote(ClientWorker).options(
             num_cpus=shape.num_cpus,
@@ -212,7 +210,7 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
             **options,
         )
         actors.append(cls.remote())
-    return WorkerPool(len(actors), cls, actors, shapes, where[-1] if server else {})
+    return WorkerPool(len(actors), actors, shapes, where[-1] if server else {})
 
 
 def pinned(requests: Sequence[Resources]) -> list[dict[str, Any]]:
