@@ -291,23 +291,31 @@ def rayfl_config(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def compare(a: argparse.Namespace) -> dict[str, Any]:
+def run_rayfl(raw: dict[str, Any], dest: Path, algo: str) -> tuple[Path, list[float], str | None]:
+    """rayfl's side of a peer check: run `raw` in a fresh folder under `dest` and leave there
+    what a CLI run's directory holds for `convert` (partition and config). Returns the folder,
+    `personal/acc` per evaluated round and the error a run that failed ended with (None)."""
     from rayfl.config import build_config
     from rayfl.data.federated import save_partition
     from rayfl.engine.loop import Simulation
-    from rayfl.models.families import get_family
 
-    raw = rayfl_config(a)
-    work = Path(tempfile.mkdtemp(prefix=f"peer-{a.algo}-", dir=a.dest))
+    work = Path(tempfile.mkdtemp(prefix=f"peer-{algo}-", dir=dest))
     sim = Simulation(build_config(raw), work / "rayfl")
     failed = None
     try:
         sim.run()
     except Exception as exc:  # e.g. a diverging loss: every reply non-finite
         failed = f"{type(exc).__name__}: {exc}"
-    save_partition(sim.federation, work / "rayfl")  # what a CLI run's directory holds
+    save_partition(sim.federation, work / "rayfl")
     (work / "rayfl" / "config.yaml").write_text(json.dumps(raw))  # JSON is YAML
-    ours = [h["personal/acc"] for h in sim.result.history if "personal/acc" in h]
+    return work, [h["personal/acc"] for h in sim.result.history if "personal/acc" in h], failed
+
+
+def compare(a: argparse.Namespace) -> dict[str, Any]:
+    from rayfl.models.families import get_family
+
+    raw = rayfl_config(a)
+    work, ours, failed = run_rayfl(raw, a.dest, a.algo)
     dataset = f"rayfl_{a.algo}_{a.dataset}_s{a.seed}"
     convert(work / "rayfl", a.dest / "dataset" / dataset)
     family = list(get_family(a.family).architectures)

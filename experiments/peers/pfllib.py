@@ -38,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -165,21 +164,8 @@ def rayfl_config(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(a: argparse.Namespace) -> dict[str, Any]:
-    from rayfl.config import build_config
-    from rayfl.data.federated import save_partition
-    from rayfl.engine.loop import Simulation
-
     raw = rayfl_config(a)
-    work = Path(tempfile.mkdtemp(prefix=f"peer-{a.algo}-", dir=a.dest))
-    sim = Simulation(build_config(raw), work / "rayfl")
-    failed = None
-    try:
-        sim.run()
-    except Exception as exc:  # e.g. a diverging loss: every reply non-finite
-        failed = f"{type(exc).__name__}: {exc}"
-    save_partition(sim.federation, work / "rayfl")
-    (work / "rayfl" / "config.yaml").write_text(json.dumps(raw))  # JSON is YAML
-    ours = [h["personal/acc"] for h in sim.result.history if "personal/acc" in h]
+    work, ours, failed = htfllib.run_rayfl(raw, a.dest, a.algo)
     dataset = f"rayfl_{a.algo}_{a.dataset}_s{a.seed}"
     htfllib.convert(work / "rayfl", a.dest / "dataset" / dataset)  # overwrites an earlier one
     # PFLlib's loop trains global_rounds + 1 times and evaluates before each training; FedBABU's
