@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from merge_runs import read_rows, tables  # noqa: E402  (the per-run CSV tables)
+from results_plan import load_plan, matches  # noqa: E402  (the declared tables and their parts)
 
 RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -259,7 +260,8 @@ def collect_devices(out_dir: Path, description: Mapping[str, Any]) -> dict[str, 
 def devices_section(data: Mapping[str, Any]) -> list[str]:
     """Accuracy against simulated time, with and without the deadline, and who took part."""
     runs = data.get("runs", [])
-    out = ["## Devices: a deadline on simulated time (experiments/suites/devices_fmnist.yaml)", ""]
+    title = data.get("title", "Devices: a deadline on simulated time")
+    out = [f"## {title} (experiments/suites/devices_fmnist.yaml)", ""]
     if data.get("note"):
         out += [data["note"], ""]
     out += [f"Command: `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.", ""]
@@ -471,6 +473,97 @@ def full_section(data: Mapping[str, Any]) -> list[str]:
     return out
 
 
+# -- the results plan ---------------------------------------------------------------------------
+def plan_runs(table: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the finished parts' files, every run in them) of one table of the results plan."""
+    parts = [
+        json.loads(table.result(p).read_text()) for p in table.parts() if table.result(p).is_file()
+    ]
+    return parts, [run for part in parts for run in part["runs"]]
+
+
+def _cell(values: Sequence[float], key: str) -> str:
+    """A metric's mean ± std: in points as they are (`*_points`), else a fraction in %."""
+    if key.endswith("_points"):
+        return pm([v / 100 for v in values], signed=True)
+    return pm(values)
+
+
+def plan_section(table: Any) -> list[str]:
+    """One table of the results plan: its finished parts, per setting mean ± std over seeds of
+    the metric and the declared columns, and paired differences to the best baseline."""
+    spec = table.spec
+    parts, runs = plan_runs(table)
+    missing = [p for p in table.parts() if not table.result(p).is_file()]
+    title = spec["title"] + (" — PARTIAL" if missing else "")
+    commits = sorted({p["commit"] for p in parts})
+    out = [f"## {title}", "", spec["what"].strip(), "", f"Protocol: {spec['protocol'].strip()}", ""]
+    out += [
+        f"- Suite: `{spec['suite']}`, {table.rounds} rounds, seeds "
+        f"{', '.join(map(str, table.seeds()))}; metric `{spec['metric']}`.",
+        f"- Parts done: {len(parts)} of {len(table.parts())}"
+        + (f" (missing: {', '.join(missing)})" if missing else "")
+        + f"; a part is ~{table.part_cost_s() / 3600:.1f} core-hours (estimate from measured "
+        "seconds per round).",
+        f"- Code: commit{'s' if len(commits) > 1 else ''} "
+        f"{', '.join(f'`{c}`' for c in commits) or '–'}.",
+        f"- Command: `python3 experiments/results_plan.py run {table.name}` (runs only the "
+        f"missing parts); one part: `{parts[0]['command'] if parts else table.name}`.",
+        "",
+    ]
+    if missing:
+        out += ["**Partial: only the parts listed as done are in the numbers below.**", ""]
+    metric = spec["metric"]
+    columns = spec.get("columns", {})
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        group = [r for r in runs if r["setting"] == setting]
+        keys = [
+            k
+            for pattern in columns
+            for k in sorted({k for r in group for k in r["final"] if matches(k, [pattern])})
+        ]
+        headers = [
+            columns.get(k) or columns[next(p for p in columns if matches(k, [p]))] for k in keys
+        ]
+        headers = [h.replace("*", k.rpartition("=")[2]) for h, k in zip(headers, keys)]
+        by_label: dict[str, dict[int, float]] = {}
+        for r in group:
+            if metric in r["final"]:
+                by_label.setdefault(r["label"], {})[r["seed"]] = r["final"][metric]
+        best, paired = paired_rows(by_label, spec["baselines"])
+        delta = {row[0]: row[1:] for row in paired}
+        body = []
+        for label in by_label:
+            rs = [r for r in group if r["label"] == label]
+            row = [label, str(len(rs)), pm([r["final"][metric] for r in rs])]
+            row += [_cell([r["final"][k] for r in rs if k in r["final"]], k) for k in keys]
+            row += ["best baseline", ""] if label == best else delta.get(label, ["–", "–"])
+            body.append(row)
+        out += [f"**{setting}**", ""] if setting else []
+        header = ["method", "seeds", metric, *headers, f"paired Δ vs {best} (seeds)", "per seed"]
+        out += md_table(header, body)
+    return out
+
+
+def devices_plan_data(table: Any) -> dict[str, Any]:
+    """The device-tier table's parts in the shape `devices_section` reads."""
+    parts, runs = plan_runs(table)
+    commits = ", ".join(sorted({p["commit"] for p in parts}))
+    missing = [p for p in table.parts() if not table.result(p).is_file()]
+    done = f"Parts done: {len(parts)} of {len(table.parts())}" + (
+        f" (missing: {', '.join(missing)}); only the parts done are in the numbers."
+        if missing
+        else "."
+    )
+    return {
+        "title": table.spec["title"] + (" — PARTIAL" if missing else ""),
+        "note": table.spec["what"].strip() + " " + done,
+        "command": parts[0]["command"] if parts else "?",
+        "commit": commits,
+        "runs": [{**r, "rounds": r["history"]} for r in runs],
+    }
+
+
 def fedgh_section(data: Mapping[str, Any]) -> list[str]:
     cfg = data["config"]
     acc = data["acc"]  # init -> seed -> per-round accuracies
@@ -545,6 +638,11 @@ def page() -> str:
     for path in [HEADLINE, *sorted(CONTROLS.glob("*.json"))]:
         if path.is_file():
             out += headline_section(json.loads(path.read_text()))
+    for table in load_plan():
+        if table.spec.get("render") == "devices":
+            out += devices_section(devices_plan_data(table))
+        else:
+            out += plan_section(table)
     for path in sorted((RESULTS / "full").glob("*.json")):
         out += full_section(json.loads(path.read_text()))
     if FEATURE_SHIFT.is_file():

@@ -1,0 +1,268 @@
+"""The results plan: every table of docs/results.md as a declared suite, split into parts that
+finish, each part's small result file committed so that rerunning the plan runs only what is
+missing.
+
+    python3 experiments/results_plan.py status                  # parts done, estimated cost left
+    python3 experiments/results_plan.py run --hours 2           # the missing parts that fit
+    python3 experiments/results_plan.py run fedfd_cpu --jobs 2  # one table's missing parts
+    python3 experiments/make_results.py                         # docs/results.md from the files
+
+The tables are declared in `experiments/results_plan.yaml`. A part is one setting and one seed
+of a table: every method of the suite on the same partition, run by `rayfl compare` with the
+serial executor (the Ray executor's numbers, by the determinism contract), `--jobs` parts at a
+time (one core each; two jobs use both cores of a 2-core machine). A part's runs checkpoint
+every round into `runs/plan/<table>/<part>/`, so a part that was stopped continues where it
+was. When every run of a part finished, its result file `docs/results/plan/<table>/<part>.json`
+holds each run's final metrics, its per-round history of the table's metric, the final round's
+per-client table and the code commit; checkpoints and models stay out of it.
+
+A part's cost is estimated from the table's measured seconds per round (one core) per method:
+`sum over methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
+of everything started so far fits in `H x jobs` core-hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "experiments" / "results_plan.yaml"
+RESULTS = ROOT / "docs" / "results" / "plan"
+RUNS = ROOT / "runs" / "plan"
+SERIAL = ["engine.executor=serial", "engine.checkpoint_every=1", "tracking.backend=none"]
+CLIENT_KEYS = ("client", "arch", "domain", "num_train", "num_test", "acc")
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    spec: Mapping[str, Any]
+
+    @property
+    def suite(self) -> Path:
+        return ROOT / self.spec["suite"]
+
+    @property
+    def overrides(self) -> list[str]:
+        return list(self.spec.get("overrides", []))
+
+    @property
+    def rounds(self) -> int:
+        return int(self.spec["rounds"])
+
+    def settings(self) -> list[str]:
+        return list(self.spec.get("settings") or [""])
+
+    def seeds(self) -> list[int]:
+        return list(self.spec["seeds"])
+
+    def parts(self) -> list[str]:
+        """`<setting>-s<seed>`, seed-major: every setting's seed 0 before any seed 1."""
+        return [part_name(x, s) for s in self.seeds() for x in self.settings()]
+
+    def methods(self) -> list[str]:
+        return list(self.spec["round_s"])
+
+    def part_cost_s(self) -> float:
+        """One part's estimated core-seconds: every method's measured round time x rounds."""
+        return sum(float(s) for s in self.spec["round_s"].values()) * self.rounds
+
+    def result(self, part: str) -> Path:
+        return RESULTS / self.name / f"{part}.json"
+
+    def command(self, part: str) -> list[str]:
+        setting, seed = split_part(part)
+        select = [f"seeds=[{seed}]"] + ([f"settings=[{setting}]"] if setting else [])
+        return [
+            sys.executable,
+            "-m",
+            "rayfl.cli",
+            "compare",
+            str(self.suite.relative_to(ROOT)),
+            *select,
+            f"engine.rounds={self.rounds}",
+            *self.overrides,
+            *SERIAL,
+            "--out",
+            str((RUNS / self.name / part).relative_to(ROOT)),
+        ]
+
+
+def part_name(setting: str, seed: int) -> str:
+    return f"{setting}-s{seed}" if setting else f"s{seed}"
+
+
+def split_part(part: str) -> tuple[str, int]:
+    setting, _, seed = part.rpartition("s")
+    return setting.rstrip("-"), int(seed)
+
+
+def matches(key: str, patterns: Sequence[str]) -> bool:
+    """`key` is one of `patterns`, or starts with one ending in `*`."""
+    return any(key == p or (p.endswith("*") and key.startswith(p[:-1])) for p in patterns)
+
+
+def load_plan(path: Path = PLAN) -> list[Table]:
+    raw = yaml.safe_load(path.read_text())
+    return [Table(name, spec) for name, spec in raw["tables"].items()]
+
+
+def commit() -> str:
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "rayfl"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def _final_clients(run_dir: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    path = run_dir / "clients.parquet"
+    if not path.is_file():
+        return []
+    rows = pq.read_table(path).to_pylist()
+    last = max(r["round"] for r in rows)
+    return [{k: r.get(k) for k in CLIENT_KEYS} for r in rows if r["round"] == last]
+
+
+def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str, Any] | None:
+    """The part's result file's content, or None while a run of it is unfinished."""
+    import pyarrow.parquet as pq
+
+    out = RUNS / table.name / part
+    if not (out / "runs.parquet").is_file():
+        return None
+    rows = pq.read_table(out / "runs.parquet").to_pylist()
+    if len(rows) < len(table.methods()) or any(r["status"] != "FINISHED" for r in rows):
+        return None
+    wanted = [table.spec["metric"], "time/round_s", *table.spec.get("history", [])]
+    runs = []
+    for row in rows:
+        run_dir = Path(row["run_dir"])
+        history = pq.read_table(run_dir / "metrics.parquet").to_pylist()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        final = {
+            k: v
+            for k, v in summary.get("final", {}).items()
+            if isinstance(v, (int, float)) and not k.startswith("time/startup")
+        }
+        runs.append(
+            {
+                "label": row["label"],
+                "algorithm": row["algorithm"],
+                "seed": int(row["seed"]),
+                "setting": row["setting"] or "",
+                "rounds": int(row["rounds"]),
+                "final": final,
+                "history": [
+                    {k: v for k, v in h.items() if v is not None and matches(k, ["round", *wanted])}
+                    for h in history
+                ],
+                "clients": _final_clients(run_dir),
+            }
+        )
+    setting, seed = split_part(part)
+    return {
+        "table": table.name,
+        "part": part,
+        "setting": setting,
+        "seed": seed,
+        "commit": code,
+        "command": " ".join(table.command(part)[2:]).replace("rayfl.cli", "rayfl", 1),
+        "wall_s": round(wall_s),
+        "runs": runs,
+    }
+
+
+def run_part(table: Table, part: str, code: str, log: Any) -> bool:
+    """Runs (or resumes) one part and writes its result file; False when it did not finish."""
+    start = time.monotonic()
+    with (RUNS / table.name / f"{part}.log").open("a") as out:
+        rc = subprocess.run(table.command(part), cwd=ROOT, stdout=out, stderr=out).returncode
+    data = collect_part(table, part, code, time.monotonic() - start)
+    if rc != 0 or data is None:
+        log(f"{table.name}/{part}: not finished (exit {rc}); rerun to resume")
+        return False
+    table.result(part).parent.mkdir(parents=True, exist_ok=True)
+    table.result(part).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    log(f"{table.name}/{part}: done in {data['wall_s']} s -> {table.result(part)}")
+    return True
+
+
+def status(tables: Sequence[Table], jobs: int) -> list[str]:
+    lines, left = [], 0.0
+    for t in tables:
+        done = [p for p in t.parts() if t.result(p).is_file()]
+        missing = len(t.parts()) - len(done)
+        left += missing * t.part_cost_s()
+        lines.append(
+            f"{t.name}: {len(done)}/{len(t.parts())} parts done; a part ~"
+            f"{t.part_cost_s() / 3600:.2f} core-hours ({len(t.methods())} methods x "
+            f"{t.rounds} rounds); missing: {', '.join(p for p in t.parts() if p not in done) or '-'}"
+        )
+    lines.append(f"left: ~{left / 3600:.1f} core-hours, ~{left / 3600 / jobs:.1f} h at {jobs} jobs")
+    return lines
+
+
+def run(tables: Sequence[Table], jobs: int, hours: float) -> int:
+    todo = [(t, p) for t in tables for p in t.parts() if not t.result(p).is_file()]
+    budget, lock, code = hours * 3600 * jobs, threading.Lock(), commit()
+
+    def log(msg: str) -> None:
+        with lock:
+            print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+    chosen, spent = [], 0.0
+    for t, p in todo:
+        if spent + t.part_cost_s() <= budget:
+            chosen.append((t, p))
+            spent += t.part_cost_s()
+    if not chosen:
+        log("nothing to run within the budget" if todo else "every part is done")
+        return 0
+    for t, _ in chosen:
+        (RUNS / t.name).mkdir(parents=True, exist_ok=True)
+    log(f"{len(chosen)} parts, ~{spent / 3600:.1f} core-hours at code {code}")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, log), chosen))
+    return 0 if all(ok) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="run the results plan's missing parts")
+    ap.add_argument("action", choices=["status", "run"])
+    ap.add_argument("tables", nargs="*", help="table names (default: every table, in order)")
+    ap.add_argument("--jobs", type=int, default=2, help="parts at a time (one core each)")
+    ap.add_argument("--hours", type=float, default=2.0, help="wall-clock budget for `run`")
+    args = ap.parse_args(argv)
+    tables = load_plan()
+    unknown = set(args.tables) - {t.name for t in tables}
+    if unknown:
+        ap.error(f"unknown table(s) {sorted(unknown)}; the plan has {[t.name for t in tables]}")
+    chosen = [t for t in tables if not args.tables or t.name in args.tables]
+    if args.action == "status":
+        print("\n".join(status(chosen, args.jobs)))
+        return 0
+    return run(chosen, args.jobs, args.hours)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
