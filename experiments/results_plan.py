@@ -9,8 +9,10 @@ missing.
 
 The tables are declared in `experiments/results_plan.yaml`. A part is one setting and one seed
 of a table: every method of the suite on the same partition, run by `rayfl compare` with the
-serial executor (the Ray executor's numbers, by the determinism contract), `--jobs` parts at a
-time (one core each; two jobs use both cores of a 2-core machine). A part's runs checkpoint
+serial executor (the Ray executor's numbers, by the determinism contract) with one torch thread
+for the server step as for the clients, `--jobs` parts at a time (one core each; two jobs use
+both cores of a 2-core machine; two threads each would oversubscribe the cores, and a small
+server step then runs tens of times slower while its threads wait on each other). A part's runs checkpoint
 every round into `runs/plan/<table>/<part>/`, so a part that was stopped continues where it
 was. When every run of a part finished, its result file `docs/results/plan/<table>/<part>.json`
 holds each run's final metrics, its per-round history of the table's metric, the final round's
@@ -41,7 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "experiments" / "results_plan.yaml"
 RESULTS = ROOT / "docs" / "results" / "plan"
 RUNS = ROOT / "runs" / "plan"
-SERIAL = ["engine.executor=serial", "engine.checkpoint_every=1", "tracking.backend=none"]
+SERIAL = [
+    "engine.executor=serial",
+    "engine.server_threads=1",  # parts run side by side: one torch thread each
+    "engine.checkpoint_every=1",
+    "tracking.backend=none",
+]
 CLIENT_KEYS = ("client", "arch", "domain", "num_train", "num_test", "acc")
 
 
