@@ -256,7 +256,7 @@ def run(tables: Sequence[Table], jobs: int, hours: float) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run the results plan's missing parts")
     ap.add_argument("action", choices=["status", "run"])
-    ap.add_argument("tables", nargs="*", help="table names (default: every table, in order)")
+    ap.add_argument("tables", nargs="*", help="table names, run in this order (default: all)")
     ap.add_argument("--jobs", type=int, default=2, help="parts at a time (one core each)")
     ap.add_argument("--hours", type=float, default=2.0, help="wall-clock budget for `run`")
     args = ap.parse_args(argv)
@@ -264,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(args.tables) - {t.name for t in tables}
     if unknown:
         ap.error(f"unknown table(s) {sorted(unknown)}; the plan has {[t.name for t in tables]}")
-    chosen = [t for t in tables if not args.tables or t.name in args.tables]
+    by_name = {t.name: t for t in tables}
+    chosen = [by_name[n] for n in args.tables] if args.tables else tables
     if args.action == "status":
         print("\n".join(status(chosen, args.jobs)))
         return 0
