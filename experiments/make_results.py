@@ -6,14 +6,6 @@
 Sources, each a small file in docs/results/:
 - `privacy/section.md`: included verbatim, right after the introduction (written by the privacy
   measurements, not by this script);
-- `full/*.json`: the full-size suites, collected from a suite's output folder while it runs
-  (finished runs and the rounds done so far of the others), with the command, commit and dates:
-
-      python3 experiments/make_results.py --collect /work/suite-run/out/pfedes \\
-          --into docs/results/full/pfedes_vs_baselines_fmnist.json --set "collected=$(date -u)"
-      # --into an existing file keeps its description (suite_file, command, commit, ...) and
-      # updates the runs; a new one needs them as --set KEY=VALUE
-
 - `headline.json`: the README's main job (`experiments/pfedes_fmnist.yaml`) over seeds, each
   seed's final metrics read from its run directory, with the command and commit:
 
@@ -34,9 +26,6 @@ Sources, each a small file in docs/results/:
           --set "commit=$(git rev-parse --short HEAD)"
 
 - `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies;
-- `subsets.json` and the `*.runs.csv` it names: earlier runs of the shipped suites on small
-  subsets of the data, kept and labelled as such.
-
 Every table shows mean ± sample std over seeds and, where a suite compares methods, the paired
 difference (per seed, same partition) to the best baseline. Nothing here reads a clock: the same
 files give the same page, which `tests/test_results_doc.py` checks.
@@ -45,7 +34,6 @@ files give the same page, which `tests/test_results_doc.py` checks.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import statistics
 import sys
@@ -56,7 +44,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from merge_runs import read_rows, tables  # noqa: E402  (the per-run CSV tables)
 from results_plan import load_plan, matches  # noqa: E402  (the declared tables and their parts)
 
 RESULTS = ROOT / "docs" / "results"
@@ -114,44 +101,11 @@ def md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-# -- collecting a running suite ----------------------------------------------------------------
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     path = run_dir / "metrics.parquet"
     return pq.read_table(path).to_pylist() if path.is_file() else []
-
-
-def collect(out_dir: Path, into: Path, description: Mapping[str, Any]) -> dict[str, Any]:
-    """The progress of the suite `description["suite_file"]` running in `out_dir`: every run of
-    the suite, with the rounds done so far (a run not started yet has no folder)."""
-    from rayfl.compare import load_suite, run_dir_of
-
-    old = json.loads(into.read_text()) if into.is_file() else {}
-    suite = load_suite(ROOT / {**old, **description}["suite_file"])
-    runs = []
-    for run in suite.runs:
-        run_dir = run_dir_of(out_dir, run)
-        history = read_history(run_dir)
-        summary = run_dir / "summary.json"
-        status = json.loads(summary.read_text())["status"] if summary.is_file() else "PENDING"
-        evaluated = [h for h in history if h.get("personal/acc") is not None]
-        last = evaluated[-1] if evaluated else {}
-        round_s = [h["time/round_s"] for h in history if h.get("time/round_s")]
-        runs.append(
-            {
-                "setting": run.setting,
-                "label": run.label,
-                "seed": run.seed,
-                "status": status,
-                "rounds_done": int(history[-1]["round"]) if history else 0,
-                "rounds": run.config.engine.rounds,
-                "evaluated_round": int(last["round"]) if last else None,
-                "metrics": {k: last[k] for k in TRACKED if last.get(k) is not None},
-                "mean_round_s": statistics.fmean(round_s) if round_s else None,
-            }
-        )
-    return {**old, **description, "suite": suite.name, "runs": runs}
 
 
 HEADLINE = RESULTS / "headline.json"
@@ -376,103 +330,6 @@ def domains_section(data: Mapping[str, Any]) -> list[str]:
 
 
 # -- sections ----------------------------------------------------------------------------------
-def eta_line(runs: Sequence[Mapping[str, Any]]) -> str:
-    measured: dict[str, list[float]] = {}
-    for r in runs:
-        if r["mean_round_s"]:
-            measured.setdefault(r["label"], []).append(r["mean_round_s"])
-    if not measured:
-        return "No round finished yet: no time measured."
-    per_label = {k: statistics.fmean(v) for k, v in measured.items()}
-    floor = min(per_label.values())
-    left = 0.0
-    for r in runs:
-        if r["status"] != "FINISHED":
-            left += (r["rounds"] - r["rounds_done"]) * per_label.get(r["label"], floor)
-    each = ", ".join(f"{k} {v:.0f} s" for k, v in per_label.items())
-    return (
-        f"Measured seconds per round so far: {each}. Rounds left at these rates (methods not "
-        f"measured yet at the fastest one's, {floor:.0f} s, so a lower bound): about "
-        f"{left / 3600:.0f} hours ({left / 86400:.1f} days) of this machine at today's load."
-    )
-
-
-def full_section(data: Mapping[str, Any]) -> list[str]:
-    runs = data["runs"]
-    done = sum(r["status"] == "FINISHED" for r in runs)
-    rounds = sum(r["rounds_done"] for r in runs)
-    total = sum(r["rounds"] for r in runs)
-    partial = done < len(runs)
-    title = data["title"] + (" — PARTIAL" if partial else "")
-    out = [f"## {title}", "", data["what"], ""]
-    out += [
-        f"- Suite: `{data['suite_file']}` (suite `{data['suite']}`); data: {data['images']}.",
-        f"- Seeds: {', '.join(str(s) for s in data['seeds'])}; metric: `{data['metric']}`.",
-        f"- Code: commit `{data['commit']}`; started {data['started']}; "
-        f"collected {data['collected']}.",
-        "- Command (rerun the same command to resume; finished runs are skipped and the "
-        "unfinished one continues from its last checkpoint):",
-        "",
-        f"      {data['command']}",
-        "",
-        f"Progress: {done} of {len(runs)} runs finished, {rounds} of {total} rounds done. "
-        + eta_line(runs),
-        "",
-    ]
-    if partial:
-        out += [
-            "**Partial: these numbers are the rounds done so far, not final results.** Each "
-            "row is one run: the accuracy at the last evaluated round of a run still going.",
-            "",
-        ]
-    metric = data["metric"]
-    for setting in dict.fromkeys(r["setting"] for r in runs):
-        group = [r for r in runs if r["setting"] == setting]
-        started = [r for r in group if r["rounds_done"] > 0]
-        out += [f"**{setting}**", ""] if setting else []
-        body = [
-            [
-                r["label"],
-                str(r["seed"]),
-                r["status"].lower(),
-                f"{r['rounds_done']} / {r['rounds']}",
-                str(r["evaluated_round"] or "–"),
-                *(
-                    f"{100 * r['metrics'][m]:.1f}" if m in r["metrics"] else "–"
-                    for m in TRACKED
-                    if any(m in x["metrics"] for x in group)
-                ),
-            ]
-            for r in started
-        ]
-        cols = [m for m in TRACKED if any(m in x["metrics"] for x in group)]
-        if body:
-            header = ["method", "seed", "status", "rounds done", "at round", *cols]
-            out += md_table(header, body)
-        not_started = sorted({r["label"] for r in group} - {r["label"] for r in started})
-        if not_started:
-            out += [f"Not started yet: {', '.join(not_started)}.", ""]
-        finished: dict[str, dict[int, float]] = {}
-        for r in group:
-            if r["status"] == "FINISHED" and metric in r["metrics"]:
-                finished.setdefault(r["label"], {})[r["seed"]] = r["metrics"][metric]
-        if finished:
-            out += [f"Finished runs, `{metric}` at the last round:", ""]
-            best, paired = paired_rows(finished, data["baselines"])
-            delta = dict((row[0], row[1]) for row in paired)
-            body = [
-                [
-                    label,
-                    ",".join(str(s) for s in sorted(vals)),
-                    pm(list(vals.values())),
-                    "best baseline" if label == best else delta.get(label, "–"),
-                ]
-                for label, vals in finished.items()
-            ]
-            out += md_table(["method", "seeds", metric, f"paired Δ vs {best}"], body)
-    return out
-
-
 # -- the results plan ---------------------------------------------------------------------------
 def plan_runs(table: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(the finished parts' files, every run in them) of one table of the results plan."""
@@ -597,38 +454,6 @@ def fedgh_section(data: Mapping[str, Any]) -> list[str]:
     return out + md_table(header, body)
 
 
-def subset_section(meta: Mapping[str, Any]) -> list[str]:
-    paths = sorted(glob.glob(str(RESULTS / meta["files"])))
-    rows = [r for r in read_rows(paths) if r["status"] == "FINISHED"]
-    out = [
-        f"## {meta['title']}",
-        "",
-        f"**Subset, not full size:** {meta['images']}. {meta['note']}",
-        "",
-        f"- Suite: `{meta['suite_file']}`; seeds {', '.join(str(s) for s in meta['seeds'])}; "
-        f"round {meta['rounds']}; code of commit `{meta['commit']}`, run {meta['date']}.",
-        f"- Source files: `docs/results/{meta['files']}` (one row per run).",
-        "- Command (per setting and seed):",
-        "",
-        f"      {meta['command']}",
-        "",
-        tables(rows),
-    ]
-    metric = meta["metric"]
-    for setting in dict.fromkeys(r["setting"] for r in rows):
-        by_label: dict[str, dict[int, float]] = {}
-        for r in rows:
-            if r["setting"] == setting and isinstance(r.get(metric), float):
-                by_label.setdefault(r["label"], {})[r["seed"]] = r[metric]
-        best, paired = paired_rows(by_label, meta["baselines"])
-        if best is None:
-            continue
-        name = f" ({setting})" if setting else ""
-        out += [f"Paired differences to the best baseline{name}, `{metric}`, points:", ""]
-        out += md_table(["method", f"paired Δ vs {best}", "per seed"], paired)
-    return out
-
-
 def page() -> str:
     """docs/results.md as the files in docs/results/ give it."""
     out = [INTRO]
@@ -643,19 +468,14 @@ def page() -> str:
             out += devices_section(devices_plan_data(table))
         else:
             out += plan_section(table)
-    for path in sorted((RESULTS / "full").glob("*.json")):
-        out += full_section(json.loads(path.read_text()))
-    if FEATURE_SHIFT.is_file():
+    planned = {t.name for t in load_plan() if plan_runs(t)[0]}
+    if FEATURE_SHIFT.is_file() and "feature_shift" not in planned:  # until the plan has it
         out += domains_section(json.loads(FEATURE_SHIFT.read_text()))
-    if DEVICES.is_file():
+    if DEVICES.is_file() and "devices" not in planned:
         out += devices_section(json.loads(DEVICES.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
     if fedgh.is_file():
         out += fedgh_section(json.loads(fedgh.read_text()))
-    subsets = RESULTS / "subsets.json"
-    if subsets.is_file():
-        for meta in json.loads(subsets.read_text()):
-            out += subset_section(meta)
     if (RESULTS / "peers").is_dir():  # experiments/peers/report.py renders them (no torch)
         from peers import report
 
@@ -669,12 +489,10 @@ def page() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="regenerate docs/results.md from docs/results/")
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md is stale")
-    ap.add_argument("--collect", type=Path, help="a running or finished suite's --out folder")
     ap.add_argument(
         "--into",
         type=Path,
-        help="with --collect: the docs/results/full/*.json; with --headline: "
-        "a docs/results/controls/*.json instead of the main job's headline.json",
+        help="with --headline: a docs/results/controls/*.json instead of headline.json",
     )
     ap.add_argument(
         "--headline", type=Path, nargs="+", help="the main job's run directories (one per seed)"
@@ -684,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="with --collect: a description field (title, command, commit, ...)",
+        help="a description field (title, command, commit, ...)",
     )
     ap.add_argument("--devices", type=Path, help="the device-tier suite's --out folder")
     ap.add_argument("--feature-shift", type=Path, help="the feature-shift suite's --out folder")
@@ -703,17 +521,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = collect_headline(args.headline, fields, into)
         into.parent.mkdir(parents=True, exist_ok=True)
         into.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        return 0
-    if args.collect:
-        if args.into is None:
-            ap.error("--collect needs --into")
-        fields = dict(s.split("=", 1) for s in args.set)
-        for key in ("seeds", "baselines"):
-            if key in fields:
-                fields[key] = json.loads(fields[key])
-        data = collect(args.collect, args.into, fields)
-        args.into.parent.mkdir(parents=True, exist_ok=True)
-        args.into.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return 0
     text = page()
     if args.check:

@@ -54,14 +54,47 @@ def test_privacy_fragment_is_included_verbatim_after_the_introduction(make_resul
     assert text.startswith(make_results.INTRO.rstrip("\n") + "\n\n" + fragment)
 
 
-def test_partial_suites_name_their_resume_command_and_progress(make_results):
-    for path in sorted((ROOT / "docs" / "results" / "full").glob("*.json")):
-        data = json.loads(path.read_text())
-        lines = make_results.full_section(data)
-        text = "\n".join(lines)
-        assert data["command"] in text
-        done = sum(r["rounds_done"] for r in data["runs"])
-        total = sum(r["rounds"] for r in data["runs"])
-        assert f"{done} of {total} rounds done" in text
-        if any(r["status"] != "FINISHED" for r in data["runs"]):
-            assert lines[0].endswith("— PARTIAL")
+def _part(seed: int, accs: dict[str, float], gain: float) -> dict:
+    runs = [
+        {"label": k, "seed": seed, "setting": "x", "final": {"personal/acc": v}}
+        for k, v in accs.items()
+    ]
+    runs[-1]["final"]["baseline/federated_gain_points"] = gain
+    return {"commit": "abc1234", "command": "rayfl compare s.yaml", "runs": runs}
+
+
+def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results, tmp_path):
+    import results_plan
+
+    spec = {
+        "title": "T",
+        "suite": "s.yaml",
+        "rounds": 2,
+        "seeds": [0, 1, 2],
+        "settings": ["x"],
+        "metric": "personal/acc",
+        "baselines": ["a", "b"],
+        "columns": {"baseline/federated_gain_points": "federated gain (pts)"},
+        "what": "w",
+        "protocol": "p",
+        "round_s": {"a": 1, "b": 1, "m": 2},
+    }
+    table = results_plan.Table("t", spec)
+    assert table.parts() == ["x-s0", "x-s1", "x-s2"] and table.part_cost_s() == 8
+    assert results_plan.split_part("dir0.1-s2") == ("dir0.1", 2)
+    assert results_plan.split_part("s1") == ("", 1)
+    original = results_plan.RESULTS
+    results_plan.RESULTS = tmp_path
+    try:
+        (tmp_path / "t").mkdir()
+        for seed, accs, gain in [(0, (0.80, 0.70, 0.85), 1.5), (1, (0.90, 0.86, 0.89), 2.5)]:
+            part = _part(seed, dict(zip("abm", accs)), gain)
+            (tmp_path / "t" / f"x-s{seed}.json").write_text(json.dumps(part))
+        text = "\n".join(make_results.plan_section(table))
+    finally:
+        results_plan.RESULTS = original
+    assert text.startswith("## T — PARTIAL")
+    assert "Parts done: 2 of 3 (missing: x-s2)" in text and "`abc1234`" in text
+    # a: 85.0 ± 7.1; m - a per seed +5.0, -1.0 (mean +2.0, std 4.2); m's gain 2.0 ± 0.7 points
+    assert "| a | 2 | 85.0 ± 7.1 | – | best baseline |  |" in text
+    assert "| m | 2 | 87.0 ± 2.8 | +2.0 ± 0.7 | +2.0 ± 4.2 (2) | +5.0, -1.0 |" in text
