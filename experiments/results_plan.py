@@ -201,6 +201,8 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
 
 def run_part(table: Table, part: str, code: str, log: Any) -> bool:
     """Runs (or resumes) one part and writes its result file; False when it did not finish."""
+    if table.result(part).is_file():  # another `run` finished it meanwhile
+        return True
     start = time.monotonic()
     with (RUNS / table.name / f"{part}.log").open("a") as out:
         rc = subprocess.run(table.command(part), cwd=ROOT, stdout=out, stderr=out).returncode
