@@ -4,7 +4,7 @@ each key checked against the schema (`rayfl.schema`): its type, range and patter
 A YAML file mirrors `RunConfig`. Unknown keys, wrong types and impossible values raise
 `ConfigError` naming the dotted key and the fix. The `algorithm` section holds `name` plus the
 fields of that algorithm's own frozen `Params` dataclass (declared beside the algorithm). The
-checks across keys and against what the run will need come last (`rayfl.config_checks`).
+checks across keys and against what the run will need come last (`rayfl.checks`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from rayfl import plugins
-from rayfl.config_checks import check
+from rayfl.checks import check
 from rayfl.errors import ConfigError, suggest
 from rayfl.schema import (  # noqa: F401 (the schema's names, re-exported for callers)
     AlgorithmConfig,
