@@ -154,19 +154,13 @@ def build_federation(
     domains: DomainsConfig | None = None,
     val_fraction: float = 0.0,
 ) -> Federation:
-    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only).
-
-    Steps: (1) if `train_samples` is set, keep a seeded random subset of that many training
-    samples; (2) hold out a seeded `public_fraction` of those as the public split; (3) partition
-    the rest with the named partitioner and its `partition_options` (a dataset with its own
-    domains per domain); (4) split each client's samples into train and test, stratified by
-    class, with `test_fraction` in test (every client keeps >= 1 train sample), then apply
-    `domains` (`rayfl.data.domains`) on copies of the arrays; (5) move a stratified
-    `val_fraction` of each client's training samples to its validation split. Every step draws
-    its own stream (`rayfl.seeding`): `val_fraction=0` leaves the splits exactly as they were
-    without it, and the split is the same for every algorithm. A ConfigError for an invalid
-    setting, a UserError when the partitioner cannot satisfy its options on this data.
-    """
+    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only):
+    (1) a seeded subset of `train_samples`, (2) a seeded `public_fraction` of it held out, (3)
+    the rest partitioned (per domain for a dataset with its own), (4) each client's samples
+    split into train and test stratified by class (>= 1 train sample stays), `domains` applied
+    on copies of the arrays, (5) a stratified `val_fraction` of train moved to validation. Each
+    step draws its own stream (`rayfl.seeding`), so `val_fraction=0` leaves the splits as they
+    were, and the split is the same for every algorithm."""
     n = len(dataset.y_train)
     for key, value in [("test", test_fraction), ("public", public_fraction), ("val", val_fraction)]:
         if not 0.0 <= value < 1.0:
