@@ -25,6 +25,7 @@ from rayfl import plugins as _plugins
 from rayfl.config import build_config, read_yaml
 from rayfl.errors import UserError
 from rayfl.schema import RunConfig, to_dict
+from rayfl.tables import read_table
 
 if TYPE_CHECKING:
     from rayfl.tune import SweepResult
@@ -55,8 +56,7 @@ class SuiteResult:
 
 
 def overrides_of(kwargs: Mapping[str, Any], strings: Sequence[str] = ()) -> list[str]:
-    """Keyword overrides as the command line's `key=value` strings, after `strings` (already
-    in that form).
+    """Keyword overrides as the command line's `key=value` strings, after `strings`.
 
     >>> overrides_of({"engine__rounds": 2, "train": {"lr": 0.1}, "algorithm__name": "local"})
     ['engine.rounds=2', 'train.lr=0.1', 'algorithm.name="local"']
@@ -97,30 +97,11 @@ def run(
     force: bool = False,
     **overrides: Any,
 ) -> RunResult:
-    """Run one simulation, like `rayfl run`.
+    """Run one simulation, like `rayfl run`: `config` is an experiment YAML path, its content
+    as a dict, or a `RunConfig`; `out`, `plugins`, `resume` and `force` mean what `--out`,
+    `--plugin`, `--resume` (continue the run in `out`) and `--force` mean.
 
-    Args:
-        config: an experiment YAML path, the same content as a dict, or a `RunConfig`.
-        *strings: overrides as on the command line, e.g. `"engine.rounds=2"`.
-        out: the run directory (default `runs/<name>-<algorithm>-s<seed>-<time>`); with
-            `resume=True`, the directory of the run to continue.
-        plugins: `.py` files or module names registering algorithms, models or datasets
-            (`--plugin`; relative to the current directory).
-        progress: show the progress bar on stderr.
-        resume: continue the run in `out` from its last checkpoint.
-        force: `out` holds a run already: move it aside (`<out>.archived-<time>`) first.
-        **overrides: config overrides, e.g. `engine__rounds=2` or `engine={"rounds": 2}`.
-
-    Returns:
-        The run's final metrics, per-round history, run directory and MLflow run id.
-
-    Raises:
-        UserError: a bad config (`ConfigError`), missing data, a run directory in use, ...
-
-    Example:
-        >>> import rayfl
-        >>> result = rayfl.run("experiments/pfedes_fmnist.yaml", engine__rounds=2)  # doctest: +SKIP
-        >>> result.final["personal/acc"]  # doctest: +SKIP
+    >>> rayfl.run("experiments/pfedes_fmnist.yaml", engine__rounds=2).final["personal/acc"]  # doctest: +SKIP
     """
     from rayfl.launch import default_run_dir, simulate
 
@@ -166,21 +147,9 @@ def suite(
     keep_checkpoints: bool = False,
     **overrides: Any,
 ) -> SuiteResult:
-    """Run a comparison suite, like `rayfl compare` (the same `out` again resumes it).
-
-    Args:
-        path: the suite YAML.
-        *strings: overrides as on the command line, e.g. `"seeds=[0]"`.
-        out: the output folder (default `runs/suite-<name>-<time>`).
-        plugins: see `run`.
-        progress: show a progress bar over the runs.
-        keep_checkpoints: keep each finished run's checkpoint.
-        **overrides: applied to every run (`engine__rounds=2`), plus the suite's selectors
-            and settings: `seeds=[0]`, `algorithms=["local"]`, `settings=[...]`, `parallel=2`.
-
-    Returns:
-        The output folder, the printed table, one row per run and the per-algorithm results.
-    """
+    """Run a comparison suite, like `rayfl compare` (the same `out` again resumes it; default
+    `runs/suite-<name>-<time>`). Overrides apply to every run (`engine__rounds=2`), or set the
+    suite's own keys (`seeds=[0]`, `algorithms=["local"]`, `parallel=2`)."""
     from rayfl.compare import load_suite, run_suite
 
     def go() -> SuiteResult:
@@ -193,8 +162,8 @@ def suite(
         return SuiteResult(
             out=folder,
             table=table,
-            runs=_rows(folder / "runs.parquet"),
-            results=_rows(folder / "results.parquet"),
+            runs=read_table(folder / "runs.parquet"),
+            results=read_table(folder / "results.parquet"),
         )
 
     def _default_suite_out(path: str | Path, cli: list[str]) -> Path:
@@ -204,12 +173,6 @@ def suite(
     return _clean_errors(go)
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    from rayfl.tables import read_table
-
-    return read_table(path)
-
-
 def sweep(
     path: str | Path,
     *strings: str,
@@ -217,21 +180,9 @@ def sweep(
     plugins: Sequence[str] = (),
     **overrides: Any,
 ) -> SweepResult:
-    """Run a Ray Tune sweep, like `rayfl tune`.
-
-    Args:
-        path: the sweep YAML.
-        *strings: overrides as on the command line, e.g.
-            `"space.algorithm.T={grid: [2.0, 4.0]}"` (a space entry is written this way).
-        out: the output folder (default `runs/sweeps/<sweep>-<time>`).
-        plugins: see `run`.
-        **overrides: `tune__num_samples=4` sets the `tune:` section; every other key goes to
-            the base experiment (`engine__rounds=2`).
-
-    Returns:
-        `rayfl.tune.SweepResult`: one row per trial, the best trial and its config file, the
-        MLflow parent run id.
-    """
+    """Run a Ray Tune sweep, like `rayfl tune` (default `out`: `runs/sweeps/<sweep>-<time>`).
+    `tune__num_samples=4` sets the `tune:` section, any other key the base experiment; a space
+    entry is a string: `"space.algorithm.T={grid: [2.0, 4.0]}"`."""
     from rayfl.tune import sweep_and_report
 
     def go() -> SweepResult:

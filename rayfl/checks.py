@@ -1,18 +1,230 @@
-"""Checks that an algorithm can run on a federation: no data loaded, no Ray imported.
-
-`rayfl validate`, suites and sweeps call these before any work starts; the round loop calls
-them again once the data (feature sizes, the public split) is known.
+"""The checks a config passes once every key is valid on its own (`rayfl.config`): across keys
+(registry names, resources, devices, domains), what is known infeasible before any data is
+loaded or Ray started (`check_feasible`), and whether the algorithm can run on the federation
+(`check_algorithm_fits`; the round loop calls it again once the data is known). `rayfl
+validate`, suites, sweeps and `rayfl run` refuse the same configs, before the work. Torch-heavy
+domains are imported only once every key is valid.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from rayfl.algorithms.base import Algorithm
-from rayfl.errors import ConfigError
-from rayfl.privacy import check_fits as check_privacy_fits
-from rayfl.privacy.hook import check_accounting
-from rayfl.schema import RunConfig
+from rayfl.errors import ConfigError, require
+from rayfl.schema import RunConfig, clients_per_round
+
+if TYPE_CHECKING:
+    from rayfl.algorithms.base import Algorithm
+
+
+def check(cfg: RunConfig) -> None:
+    """Checks across keys that need no data: registry names, resources, devices, domains."""
+    from rayfl.data import DATASETS, PARTITIONERS  # torch: only once every key is valid
+    from rayfl.resources import check_ray_num_cpus
+
+    d, e = cfg.data, cfg.engine
+    if d.dataset not in DATASETS:
+        DATASETS.get(d.dataset, key="data.dataset")
+    if d.partition.name not in PARTITIONERS:
+        PARTITIONERS.get(d.partition.name, key="data.partition.name")
+    if e.clients_per_round is not None:
+        require(
+            e.clients_per_round <= d.num_clients,
+            "engine.clients_per_round",
+            f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
+            f"lower it or raise data.num_clients",
+        )
+    shapes = [("worker_resources", e.worker_resources), ("server_resources", e.server_resources)]
+    shapes += [(f"resources_by_arch.{a}", r) for a, r in e.resources_by_arch.items()]
+    for name, res in shapes:  # every number is >= 0 already (`rayfl.config`)
+        for attr in ("num_cpus", "num_gpus"):
+            value = getattr(res, attr)
+            require(
+                value <= 1 or float(value).is_integer(),
+                f"engine.{name}.{attr}",
+                f"fractions above 1 must be whole numbers (got {value})",
+            )
+    for name, res in shapes:
+        require(
+            name == "server_resources" or res.num_cpus > 0 or res.num_gpus > 0,
+            f"engine.{name}",
+            "a worker must reserve some CPU or GPU",
+        )
+    require(
+        e.server_in != "driver"
+        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
+        "engine.server_in",
+        "driver runs the server in the driver's process, which reserves nothing; set "
+        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
+    )
+    check_devices(cfg)
+    check_domains(cfg)
+    check_ray_num_cpus(e)  # a private Ray too small for one worker fails only after its start
+    if cfg.model.proportions is not None:
+        require(
+            all(p > 0 for p in cfg.model.proportions),
+            "model.proportions",
+            "every proportion must be > 0",
+        )
+    require(
+        all(0 < t <= 1 for t in cfg.eval.targets),
+        "eval.targets",
+        f"every target accuracy must be in (0, 1] (got {list(cfg.eval.targets)})",
+    )
+    check_feasible(cfg)
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """`devices`: tier names, the clients' assignment to tiers and the waiting policy."""
+    d = cfg.devices
+    for tier in d.tiers:
+        require(
+            all(v in (0, 1) for v in tier.trace),
+            f"devices.tiers[{tier.name}].trace",
+            f"must list 1 (available) or 0 per round (got {list(tier.trace)})",
+        )
+    names = [t.name for t in d.tiers]
+    require(len(set(names)) == len(names), "devices.tiers", f"tier names repeat: {names}")
+    for arch, tier_name in d.by_arch.items():
+        require(
+            tier_name in names,
+            f"devices.by_arch.{arch}",
+            f"{tier_name!r} is not a tier; choose one of {', '.join(names) or '(no tiers)'}",
+        )
+    require(
+        not d.by_arch or not d.proportions,
+        "devices.proportions",
+        "give by_arch or proportions, not both",
+    )
+    require(
+        not d.proportions or (len(d.proportions) == len(names) and sum(d.proportions) > 0),
+        "devices.proportions",
+        f"needs one non-negative share per tier ({len(names)}), got {list(d.proportions)}",
+    )
+    require(
+        d.policy != "deadline" or (d.deadline_s is not None and d.deadline_s > 0),
+        "devices.deadline_s",
+        "policy deadline needs deadline_s > 0 (simulated seconds)",
+    )
+    require(
+        d.policy != "first_k" or (d.first_k is not None and d.first_k >= 1),
+        "devices.first_k",
+        "policy first_k needs first_k >= 1",
+    )
+    require(
+        d.work == "flops" or d.policy == "all",
+        "devices.work",
+        "measured times are known only after training; use policy all, or work flops",
+    )
+
+
+def check_domains(cfg: RunConfig) -> None:
+    """`data.domains`: recipes, counts and the held-out domain, before any data is read."""
+    from rayfl.data import transforms
+    from rayfl.data.domains import client_counts
+
+    d = cfg.data.domains
+    for i, recipe in enumerate(d.transforms):
+        transforms.parse(recipe, f"data.domains.transforms[{i}]")
+    if d.transforms:
+        client_counts(cfg.data.num_clients, d.transforms, d.proportions, d.clients_per_domain)
+    if d.held_out is not None:
+        require(
+            cfg.eval.protocol == "deployed",
+            "data.domains.held_out",
+            "held-out clients never train, so only eval.protocol=deployed scores them",
+        )
+        require(
+            not cfg.privacy.dp.enabled,
+            "data.domains.held_out",
+            "DP accounting assumes every client can be sampled; drop held_out or privacy.dp",
+        )
+        require(
+            not d.transforms or d.held_out in d.transforms,
+            "data.domains.held_out",
+            f"{d.held_out!r} is not one of data.domains.transforms",
+        )
+
+
+# Training-set size and classes of the built-in datasets, known without loading them, so that
+# an impossible partition is refused before any data is read or Ray started. A dataset not
+# named here (a plugin's) is checked when its data is loaded.
+DATASET_SIZES: dict[str, tuple[int, int]] = {
+    "fmnist": (60_000, 10),
+    "mnist": (60_000, 10),
+    "cifar10": (50_000, 10),
+    "cifar100": (50_000, 100),
+    "tinyimagenet": (100_000, 200),
+    "digits": (1_797, 10),  # before its own test split
+}
+SYNTHETIC_MAX_SAMPLES = 10_000_000  # 8x8 floats: 2.5 GB; more is a typo (1e12 was tried)
+
+
+def _train_size(cfg: RunConfig) -> tuple[int, int] | None:
+    """(training samples the partition splits, classes), or None when unknown without data."""
+    d = cfg.data
+    if d.dataset == "synthetic":
+        opts = d.options
+        n, classes = opts.get("num_samples", 2000), opts.get("num_classes", 10)
+        for key, value in (("num_samples", n), ("num_test", opts.get("num_test", 500))):
+            require(
+                isinstance(value, int) and 1 <= value <= SYNTHETIC_MAX_SAMPLES,
+                f"data.options.{key}",
+                f"must be a whole number in [1, {SYNTHETIC_MAX_SAMPLES}] (got {value!r})",
+            )
+        if not isinstance(classes, int) or classes < 1:
+            return None  # the loader names the problem
+    elif d.dataset in DATASET_SIZES:
+        n, classes = DATASET_SIZES[d.dataset]
+        if d.dataset == "digits":
+            n = int(n * (1 - float(d.options.get("test_fraction", 0.2))))
+    else:
+        return None
+    if d.train_samples is not None:
+        n = min(n, d.train_samples)
+    return int(n * (1 - d.public_fraction)), classes
+
+
+def check_feasible(cfg: RunConfig) -> None:
+    """Refuse what would fail only once the data is loaded or a round ran: a partition the
+    training set cannot give, more required replies than sampled clients.
+
+    Raises:
+        ConfigError: one line naming the key and the fix.
+    """
+
+    per_round = clients_per_round(cfg)
+    require(
+        cfg.engine.min_replies <= per_round,
+        "engine.min_replies",
+        f"{cfg.engine.min_replies} replies required but only {per_round} clients are sampled "
+        "per round; lower it or sample more clients (engine.clients_per_round)",
+    )
+    size = _train_size(cfg)
+    if size is None:
+        return
+    n, classes = size
+    p, clients = cfg.data.partition, cfg.data.num_clients
+    require(
+        clients <= n,
+        "data.num_clients",
+        f"{clients} clients but {cfg.data.dataset} has {n} training samples to split; lower it",
+    )
+    if p.name == "pathological":
+        require(
+            p.classes_per_client <= classes,
+            "data.partition.classes_per_client",
+            f"{p.classes_per_client} classes per client but {cfg.data.dataset} has {classes}; "
+            f"lower it to at most {classes}",
+        )
+    if p.name == "dirichlet":
+        require(
+            clients * p.min_samples <= n,
+            "data.partition.min_samples",
+            f"{clients} clients x {p.min_samples} samples exceeds the {n} training samples of "
+            f"{cfg.data.dataset}; lower min_samples or data.num_clients",
+        )
 
 
 def check_algorithm_fits(
@@ -22,11 +234,11 @@ def check_algorithm_fits(
     feature_dims: Mapping[str, int] | None = None,
     public_size: int | None = None,
 ) -> None:
-    """Refuse algorithm/family/data combinations that cannot work, naming the fix.
+    """Refuse algorithm/family/data combinations that cannot work, naming the fix; without
+    `feature_dims` / `public_size` (no data loaded yet) from the config alone."""
+    from rayfl.privacy import check_fits as check_privacy_fits
+    from rayfl.privacy.hook import check_accounting
 
-    Without `feature_dims` / `public_size` (no data loaded yet, as in `rayfl validate`) the
-    checks that need them are made from the config alone.
-    """
     family = cfg.model.family if cfg.model.architectures is None else "custom"
     distinct = sorted(set(archs))
     if algo.needs_homogeneous and len(distinct) > 1:

@@ -195,18 +195,10 @@ EXAMPLES = {
 
 OVERRIDES_HELP = "dotted key=value overrides parsed as YAML, e.g. engine.rounds=5"
 UNTRUSTED_HELP = "read a folder your rayfl did not write (a colleague's): bounded, changes nothing"
-
-
 PLUGIN_HELP = (
     "a .py file or module that registers algorithms, models or datasets (repeatable; "
     "see docs/your_algorithm.md)"
 )
-
-
-def _plugin_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help=PLUGIN_HELP
-    )
 
 
 class UsageError(UserError):
@@ -240,14 +232,27 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _sub(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
-    return sub.add_parser(
+def _sub(
+    sub: Any, name: str, help: str, fn: Any, first: str | None = None, plugin: bool = True
+) -> argparse.ArgumentParser:
+    """A command's parser: its positional `first` argument, then its overrides (with `first`),
+    and its `--plugin` option."""
+    p = sub.add_parser(
         name,
         help=help,
         description=help,
         epilog=EXAMPLES[name],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.set_defaults(fn=fn)
+    if first is not None:
+        p.add_argument(first, nargs="?" if name == "run" else None, help=f"the {first} YAML")
+        p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    if plugin:
+        p.add_argument(
+            "--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help=PLUGIN_HELP
+        )
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,21 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = _sub(sub, "run", "run one simulation")
-    p.add_argument("config", nargs="?", help="experiment YAML")
-    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p = _sub(sub, "run", "run one simulation", cmd_run, first="config")
     p.add_argument("--out", help="run directory (default runs/<name>-<algorithm>-s<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--force", action="store_true", help="--out holds a run: move it aside, then run"
     )
-    _plugin_option(p)
-    p.set_defaults(fn=cmd_run)
 
-    p = _sub(
-        sub, "validate", "check experiment, suite, sweep or Ray cluster files without running them"
-    )
+    what = "check experiment, suite, sweep or Ray cluster files without running them"
+    p = _sub(sub, "validate", what, cmd_validate)
     p.add_argument(
         "configs", nargs="+", metavar="FILE_OR_OVERRIDE", help="files, then " + OVERRIDES_HELP
     )
@@ -294,47 +294,38 @@ def build_parser() -> argparse.ArgumentParser:
         "server no node type can hold, or whose engine.num_workers do not fit the cluster at "
         "its maximum size (without it: a local run this machine cannot place is a warning)",
     )
-    _plugin_option(p)
-    p.set_defaults(fn=cmd_validate)
 
-    p = _sub(sub, "ls", "list algorithms, models, families, datasets, partitioners")
-    p.add_argument("name", nargs="?", help="an algorithm or config section to describe")
-    _plugin_option(p)
-    p.set_defaults(fn=cmd_ls)
-
-    p = _sub(
-        sub, "ls-runs", "list run directories with status, rounds and metric (marks killed runs)"
+    p = _sub(sub, "ls", "list algorithms, models, families, datasets, partitioners", cmd_ls)
+    p.add_argument(
+        "name",
+        nargs="?",
+        help="an algorithm, a config section, or one of datasets, models, families, algorithms, partitioners",
     )
+
+    what = "list run directories with status, rounds and metric (marks killed runs)"
+    p = _sub(sub, "ls-runs", what, cmd_ls_runs, plugin=False)
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories")
     p.add_argument("--untrusted", action="store_true", help=UNTRUSTED_HELP)
-    p.set_defaults(fn=cmd_ls_runs)
 
-    p = _sub(sub, "compare", "run a comparison suite (algorithms x seeds on one partition)")
-    p.add_argument("suite")
-    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    what = "run a comparison suite (algorithms x seeds on one partition)"
+    p = _sub(sub, "compare", what, cmd_compare, first="suite")
     p.add_argument("--out", help="output directory (the same one again resumes the suite)")
     p.add_argument(
         "--keep-checkpoints",
         action="store_true",
         help="keep each finished run's checkpoint (default: removed once the run finished)",
     )
-    _plugin_option(p)
-    p.set_defaults(fn=cmd_compare)
 
-    p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow")
-    p.add_argument("sweep")
-    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p = _sub(sub, "tune", "a Ray Tune sweep logged to MLflow", cmd_tune, first="sweep")
     p.add_argument("--out", help="output directory")
-    _plugin_option(p)
-    p.set_defaults(fn=cmd_tune)
 
-    p = _sub(sub, "report", "one self-contained HTML page for a run, a suite or a sweep folder")
+    what = "one self-contained HTML page for a run, a suite or a sweep folder"
+    p = _sub(sub, "report", what, cmd_report, plugin=False)
     p.add_argument(
         "dir", help="a run directory, or a folder written by rayfl compare or rayfl tune"
     )
     p.add_argument("--out", help="the HTML file (default DIR/report.html)")
     p.add_argument("--untrusted", action="store_true", help=UNTRUSTED_HELP)
-    p.set_defaults(fn=cmd_report)
     return parser
 
 

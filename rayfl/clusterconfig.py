@@ -1,25 +1,11 @@
-"""Offline validation of a Ray cluster launcher config (``cluster.yaml``).
+"""Offline checks of a Ray cluster launcher file (`cluster.yaml`), and what it can offer.
 
-``ray up`` only reports many mistakes after it has talked to the cloud (or not at all: a
-fractional GPU resource is accepted and then never schedules). This module catches them on the
-laptop, without credentials, in under a second:
-
-1. the JSON schema that ships with Ray (``ray/autoscaler/ray-schema.json``): unknown keys,
-   wrong types, a missing ``provider.type``, non-integer node resources;
-2. checks the schema cannot express: ``head_node_type`` names a defined node type, worker
-   bounds are consistent, node resources are true integers (the schema lets ``1.0`` through);
-
-Ray's own ``prepare_config``/``validate_config`` live in ``ray.autoscaler._private`` and are
-not used: a Ray upgrade could change them silently. What they add beyond these checks (the
-provider's default node types, Docker and setup-command merging) is left to ``ray up``.
-
-Every problem raises :class:`~rayfl.errors.ConfigError` naming the JSON path (``$.a.b``).
-
-Example:
-    >>> from rayfl.clusterconfig import validate_cluster_config
-    >>> config = validate_cluster_config("cluster.yaml")  # doctest: +SKIP
-    >>> config["head_node_type"]  # doctest: +SKIP
-    'ray.head.cpu'
+`ray up` reports many mistakes only after talking to the cloud, or never (a fractional node
+resource is accepted, then never schedules). Checked here, without credentials: Ray's own JSON
+schema (`ray/autoscaler/ray-schema.json`), then what it cannot express (the head type is
+defined, worker bounds agree, node resources are true integers). Ray's private
+`prepare_config` is not used: an upgrade could change it silently. Every problem is a
+ConfigError naming the JSON path (`$.a.b`).
 """
 
 from __future__ import annotations
@@ -42,26 +28,13 @@ logger = logging.getLogger(__name__)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Provider types Ray's launcher understands (its table of them is private to Ray).
-PROVIDER_TYPES = (
-    "aws",
-    "gcp",
-    "azure",
-    "aliyun",
-    "vsphere",
-    "local",
-    "readonly",
-    "spark",
-    "kuberay",
-    "external",
-)
+PROVIDER_TYPES = ("aliyun", "aws", "azure", "external", "gcp", "kuberay", "local", "readonly",
+                  "spark", "vsphere")  # fmt: skip
 
 
 def json_path(parts: Iterable[str | int]) -> str:
-    """Format a sequence of keys/indices as a JSON path, e.g. ``$.a["x.y"][0]``.
-
-    Keys that are not plain identifiers (node type names such as ``ray.head.cpu``) are quoted
-    so the path stays unambiguous.
-    """
+    """Keys and indices as a JSON path, e.g. `$.a["x.y"][0]` (a key that is not an identifier,
+    such as the node type `ray.head.cpu`, is quoted)."""
     out = "$"
     for part in parts:
         if isinstance(part, int):
@@ -74,7 +47,7 @@ def json_path(parts: Iterable[str | int]) -> str:
 
 
 def ray_schema_path() -> Path:
-    """Return the path of the cluster launcher JSON schema shipped with the installed Ray."""
+    """The cluster launcher JSON schema shipped with the installed Ray."""
     import ray.autoscaler
 
     return Path(ray.autoscaler.__file__).parent / "ray-schema.json"
@@ -112,11 +85,15 @@ def _schema_error_message(error: Any) -> str:
         and error.validator_value == "integer"
         and "resources" in parts[:-1]
     ):
-        return (
-            f"{json_path(parts)}: node resources must be non-negative integers, got "
-            f"{error.instance!r} (give actors fractional shares instead, e.g. num_gpus=0.25)"
-        )
+        return _not_whole(parts, error.instance)
     return f"{json_path(parts)}: {error.message}"
+
+
+def _not_whole(parts: list[str | int], value: Any) -> str:
+    return (
+        f"{json_path(parts)}: node resources must be non-negative integers, got {value!r} "
+        "(give actors fractional shares instead, e.g. num_gpus=0.25)"
+    )
 
 
 def _check_schema(config: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -137,10 +114,8 @@ def _check_resources(node_types: dict[str, Any]) -> None:
         for key, value in resources.items():
             # bool is an int subclass and 1.0 passes the schema's "integer": Ray needs ints.
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                path = json_path(["available_node_types", name, "resources", key])
                 raise ConfigError(
-                    f"{path}: node resources must be non-negative integers, "
-                    f"got {value!r} (give actors fractional shares instead, e.g. num_gpus=0.25)"
+                    _not_whole(["available_node_types", name, "resources", key], value)
                 )
 
 
@@ -192,11 +167,10 @@ def _check_docker(config: dict[str, Any]) -> None:
 
 def _check_provider(config: dict[str, Any]) -> None:
     kind = config["provider"]["type"]
-    known = sorted(PROVIDER_TYPES)
-    if kind not in known:
+    if kind not in PROVIDER_TYPES:
         raise ConfigError(
             f"$.provider.type: unsupported provider {kind!r}"
-            f"{suggest(kind, known)}; choose one of {known}"
+            f"{suggest(kind, PROVIDER_TYPES)}; choose one of {list(PROVIDER_TYPES)}"
         )
 
 
@@ -236,8 +210,7 @@ RAY_DEFAULT_MAX_WORKERS = 2
 
 @dataclass(frozen=True)
 class NodeType:
-    """One node type of a cluster file: its declared CPUs and GPUs and how many nodes of it the
-    cluster may have at most (the head: one)."""
+    """A node type: how many nodes of it the cluster may have (the head: one), their CPUs, GPUs."""
 
     name: str
     count: int
@@ -247,13 +220,9 @@ class NodeType:
 
 @dataclass(frozen=True)
 class ClusterSize:
-    """What a cluster launcher file can offer at its maximum size (every worker node type at its
-    `max_workers`, all together at most the file's `max_workers`), for checks that need no Ray.
-
-    A CPU or GPU count a node type's `resources` do not declare (the launcher would look it up
-    in the cloud) is counted as 0 and listed in `undeclared`: rayfl does not guess an
-    instance's size. The head (`head`, one node) is first in `nodes`.
-    """
+    """What a cluster launcher file offers at its maximum size (each worker type at its
+    `max_workers`, all at most the file's), head first. A CPU or GPU count a node type does not
+    declare is counted as 0 and listed in `undeclared`: rayfl does not guess a cloud size."""
 
     path: str
     head: str
@@ -262,9 +231,8 @@ class ClusterSize:
     undeclared: tuple[str, ...] = ()
 
     def total(self) -> dict[str, float]:
-        """CPUs and GPUs of the cluster at its maximum size. With several worker types and a
-        file-wide `max_workers` cap, each resource is counted with the nodes richest in it
-        first: an upper bound (a check that refuses below it never refuses a feasible run)."""
+        """CPUs and GPUs at the maximum size; under a file-wide `max_workers` cap each resource
+        counts the nodes richest in it first: an upper bound, so no feasible run is refused."""
         total: dict[str, float] = {}
         for key in ("CPU", "GPU"):
 
@@ -283,8 +251,7 @@ class ClusterSize:
         return total
 
     def describe(self) -> str:
-        """`1 x ray.head.cpu (8 CPU, 0 GPU) + 8 x ray.worker.gpu (4 CPU, 1 GPU)`, plus what
-        was counted as 0 for lack of a declaration."""
+        """`1 x ray.head.cpu (8 CPU, 0 GPU) + 8 x ray.worker.gpu (4 CPU, 1 GPU)`; the undeclared."""
         parts = [f"{n.count} x {n.name} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in self.nodes]
         text = " + ".join(parts)
         if self.undeclared:
@@ -296,13 +263,8 @@ class ClusterSize:
 
 
 def cluster_size(config: Mapping[str, Any], path: str | Path) -> ClusterSize:
-    """The node types of a validated cluster file (see :func:`validate_cluster_config`): the
-    head first (one node), then each worker type at its `max_workers` (at most the file's).
-
-    Raises:
-        ConfigError: the file relies on the provider's default node types
-            (no `available_node_types`), whose sizes are unknown offline.
-    """
+    """The `ClusterSize` of a validated cluster file; a ConfigError when it relies on the
+    provider's default node types, whose sizes are unknown offline."""
     node_types = config.get("available_node_types")
     if not node_types:
         raise ConfigError(
@@ -327,14 +289,11 @@ def cluster_size(config: Mapping[str, Any], path: str | Path) -> ClusterSize:
 
 
 def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:
-    """The one line for a driver that could not join `engine.address` (a pure mapping of the
-    failure and the environment, so that it is tested without a cluster).
-
-    Ray 2.60 gives a driver that joins an explicit address of a head with token authentication,
-    but has no `RAY_AUTH_MODE=token`, only a `ConnectionError` after a stream of C++
-    `InvalidAuthToken` warnings; with the mode set and no token, an `AuthenticationError`.
-    `auto` reads the local token by itself, so only an explicit address gets the token hint.
-    """
+    """The one line for a driver that could not join `engine.address` (pure, so tested without
+    a cluster). A head with token authentication gives a driver without `RAY_AUTH_MODE=token`
+    only a ConnectionError after `InvalidAuthToken` warnings, and one with the mode but no
+    token an AuthenticationError; `auto` reads the local token, so only an explicit address
+    gets the token hint."""
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = f"engine.address={address!r}"
     token = (
@@ -357,18 +316,8 @@ def join_error(address: str, exc: BaseException, env: Mapping[str, str]) -> str:
 
 
 def validate_cluster_config(path: str | Path) -> dict[str, Any]:
-    """Validate a Ray cluster launcher YAML offline and return it.
-
-    Args:
-        path: The cluster YAML (e.g. the repository's ``cluster.yaml``).
-
-    Returns:
-        The config as loaded (``ray up`` merges the provider's defaults into it later).
-
-    Raises:
-        ConfigError: The file is missing or not YAML, or a key, type or value is invalid; the
-            message names the JSON path of the first problem.
-    """
+    """The cluster launcher file at `path`, checked offline (a ConfigError names the file and
+    the JSON path of the first problem); `ray up` merges the provider's defaults later."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"cluster config: {path} does not exist; pass the path of cluster.yaml")
@@ -385,6 +334,5 @@ def validate_cluster_config(path: str | Path) -> dict[str, Any]:
         _check_node_types(config)
         _check_docker(config)
         return config
-    except ConfigError as exc:
-        # Prefix the file so several configs can be told apart in one log.
+    except ConfigError as exc:  # the file named: several configs can share one log
         raise ConfigError(f"cluster config {path}: {exc}") from exc.__cause__

@@ -1,10 +1,7 @@
-"""Loading a run configuration: YAML with bounds, dotted `key=value` overrides, plugins, and
-each key checked against the schema (`rayfl.schema`): its type, range and pattern.
-
-A YAML file mirrors `RunConfig`. Unknown keys, wrong types and impossible values raise
-`ConfigError` naming the dotted key and the fix. The `algorithm` section holds `name` plus the
-fields of that algorithm's own frozen `Params` dataclass (declared beside the algorithm). The
-checks across keys and against what the run will need come last (`rayfl.config_checks`).
+"""Loading a run configuration: YAML within bounds, dotted `key=value` overrides, plugins, and
+each key checked against the schema (`rayfl.schema`: type, range, pattern), then across keys
+(`rayfl.checks`). The `algorithm` section holds `name` plus the fields of that algorithm's own
+frozen `Params`. A problem is a one-line `ConfigError` naming the dotted key and the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from rayfl import plugins
-from rayfl.config_checks import check
+from rayfl.checks import check
 from rayfl.errors import ConfigError, suggest
 from rayfl.schema import (  # noqa: F401 (the schema's names, re-exported for callers)
     AlgorithmConfig,
@@ -120,15 +117,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def resolve_base_file(name: Any, referrer: Path, key: str = "base") -> Path:
-    """The experiment file a suite (`base_file:`) or a sweep (`base:`) builds on.
-
-    A relative path is looked up, in this order, next to the referring file, in the current
-    directory, then in the repository root (where `experiments/` lives), so a suite or sweep
-    works from wherever it is run; an absolute path is taken as it is.
-
-    Raises:
-        ConfigError: `name` is not a non-empty string, or no candidate is a file.
-    """
+    """The experiment file a suite (`base_file:`) or a sweep (`base:`) builds on: a relative
+    path is looked up next to the referring file, in the current directory, then in the
+    repository root, so a suite or sweep works from wherever it is run."""
     if not isinstance(name, str) or not name:
         raise ConfigError(
             f"{referrer}: {key}: name the experiment file to build on (e.g. experiments/pfedes_fmnist.yaml)"

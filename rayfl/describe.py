@@ -91,21 +91,25 @@ def describe(name: str) -> str:
 
 
 def listing(name: str | None) -> str:
-    """`rayfl ls [NAME]`: what is registered, or NAME's keys (`describe`)."""
+    """`rayfl ls [NAME]`: what is registered (NAME: one kind of it), or NAME's keys."""
     from rayfl.algorithms import ALGORITHMS
     from rayfl.data import DATASETS, PARTITIONERS
     from rayfl.models import FAMILIES, MODELS
 
     if name == "partitioners":
         return _partitioners_text()
+    kinds = {
+        "algorithms": [f"  {n:12s} {algo.summary}" for n, algo in ALGORITHMS.items()],
+        "models": ["  " + ", ".join(MODELS.names())],
+        "families": [f"  {n:14s} {', '.join(fam.architectures)}" for n, fam in FAMILIES.items()],
+        "datasets": ["  " + ", ".join(DATASETS.names())],
+    }
+    if name in kinds:
+        return "\n".join([f"{name}:", *kinds[name]])
     if name is not None:
         return describe(name)
-    lines = ["algorithms:"]
-    lines += [f"  {n:12s} {algo.summary}" for n, algo in ALGORITHMS.items()]
-    lines += ["models:      " + ", ".join(MODELS.names()), "families:"]
-    lines += [f"  {n:14s} {', '.join(fam.architectures)}" for n, fam in FAMILIES.items()]
+    lines = [line for kind, rows in kinds.items() for line in (f"{kind}:", *rows)]
     lines += [
-        "datasets:    " + ", ".join(DATASETS.names()),
         "partitioners: " + ", ".join(PARTITIONERS.names()),
         "feature shift: data.domains (`rayfl ls partitioners` lists its transformations)",
         "`rayfl ls NAME` shows an algorithm's keys (or a section's: engine, train, data, ...)",

@@ -1,9 +1,5 @@
-"""Building and running one simulation from a config: the one road that `rayfl run`, suites,
-sweeps and benchmarks take, and the final table `rayfl run` prints. The CLI only parses
-arguments and prints what this returns.
-
-Ray and the engine are imported inside the functions that need them, so importing this module
-(as `rayfl validate` does) starts and imports nothing heavy.
+"""One simulation from a config, the road `rayfl run`, suites, sweeps and benchmarks take, and
+the final table `rayfl run` prints. Ray and the engine are imported only when a run starts.
 """
 
 from __future__ import annotations
@@ -33,15 +29,11 @@ def simulate(
     extra_callbacks: Sequence[Any] = (),
     existing: str = "refuse",
 ) -> Any:
-    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker, progress).
-
-    Before any data is loaded or Ray started: a private Ray's workers are checked to fit this
-    machine (a GPU asked of a machine without one), the run directory is created and checked
-    writable, locked for this process (a second run on it stops with one line) and, for a
-    resume, its checkpoint is verified. A resume continues the MLflow run recorded in the
-    directory. `existing`: what a new run does with a run already in `run_dir`: `refuse` (one
-    line), `archive` (moved aside, `--force`) or `replace` (a suite's or sweep's own rerun).
-    """
+    """Run one simulation with the standard callbacks (run directory, checkpoints, tracker,
+    progress). Before any data or Ray: the workers must fit this machine, the run directory is
+    made, checked writable and locked, and a resume's checkpoint verified (it continues the
+    MLflow run recorded there). A run already in `run_dir` is refused, moved aside (`existing=
+    "archive"`, `--force`) or replaced (a suite's or sweep's own rerun)."""
     import ray
 
     from rayfl.engine.checkpoint import Checkpoint
@@ -166,10 +158,9 @@ def final_table(result: Any, wall_s: float) -> str:
 
 
 def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
-    """The final table's accuracy lines: the last round's personalized accuracy with the 95%
-    confidence interval of the client mean, its other statistics and losses, per architecture;
-    the test accuracy at the round chosen on validation (never a round chosen on test data);
-    the rounds, bytes and seconds to each `eval.targets` accuracy, or "not reached"."""
+    """The final table's accuracy lines: the last round's (client mean, 95% CI, statistics,
+    per architecture), at the round chosen on validation (never on test data), and the rounds,
+    bytes and seconds to each `eval.targets` accuracy."""
     from rayfl.engine.metrics import AT_BEST_VAL, target_key
 
     def num(key: str, prefix: str = "") -> str:

@@ -1,28 +1,15 @@
 """Plugins: a user's algorithms, models and datasets, registered like the built-ins.
 
-A plugin is a Python module whose import registers entries in the domains' registries
-(`rayfl.algorithms.ALGORITHMS`, exactly what `rayfl/algorithms/fedprox.py` does for FedProx;
-`rayfl.models.MODELS`, `rayfl.data.DATASETS`, ...). Three ways to name one:
-
-- `--plugin my_algos.py` on `rayfl run | validate | ls | compare | tune` (repeatable), or
-  `rayfl.run(..., plugins=[...])`: a `.py` file (relative to the current directory) or an
-  importable module name (`mypkg.algos`);
-- `plugins: [my_algos.py]` in an experiment file (relative to that file), also as a suite's
-  `base_file` or a sweep's `base`;
-- the entry point groups `rayfl.algorithms`, `rayfl.models` and `rayfl.datasets` of an
-  installed package: the entry point names a module (imported; it registers itself) or an
-  object (registered in its group's registry under the entry point's name; `rayfl.registry`).
-
-Built-ins load first, then entry points, then the named plugins, each file once, so a name that
-clashes with a built-in fails at its registration with one line. A file plugin is imported as a
-module named after the file (`my_algos`), so its classes pickle by reference and every Ray
-worker of the run imports the same files first: `rayfl.engine.startup.setup_worker`, Ray's
-`worker_process_setup_hook`, calls `setup_worker`, which imports the plugins that
-`runtime_env` names as the worker process starts, before any task or actor of the run. On a multi-node cluster the file
-must exist at the same path on every node (or be an installed package).
-
-Plugins named in a run directory's `config.yaml` are never imported from there (a run
-directory is untrusted input): `rayfl run --resume DIR --plugin my_algos.py`.
+A plugin is a module whose import registers entries in the domains' registries (as
+`rayfl/algorithms/fedprox.py` does). It is named by `--plugin FILE_OR_MODULE` (or
+`rayfl.run(plugins=...)`; relative to the current directory), by `plugins: [...]` in an
+experiment file (relative to the file), or by an installed package's entry point in the groups
+`rayfl.algorithms`, `rayfl.models`, `rayfl.datasets` (`rayfl.registry`). Built-ins load first,
+so a clashing name fails at its registration. A file is imported as a module named after it,
+so its classes pickle by reference; every Ray worker imports the same plugins as it starts
+(`runtime_env` names them; `setup_worker` is Ray's `worker_process_setup_hook`), so on a
+cluster the file must exist at the same path on every node. A run directory's `config.yaml`
+never imports plugins (untrusted input): `rayfl run --resume DIR --plugin my_algos.py`.
 """
 
 from __future__ import annotations
@@ -48,12 +35,8 @@ _plugins: dict[str, bool] = {}
 
 
 def resolve(spec: Any, base: Path | None = None) -> str:
-    """The canonical form of one plugin: an absolute `.py` path (relative ones are taken from
-    `base`, default the current directory) or a dotted module name.
-
-    Raises:
-        ConfigError: `spec` is not a string, or names a file that does not exist.
-    """
+    """One plugin as an absolute `.py` path (relative to `base`, default the current
+    directory) or a dotted module name; a ConfigError when it is neither."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"plugin {spec!r}: name a .py file or an importable module")
     spec = spec.strip()

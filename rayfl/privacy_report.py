@@ -24,12 +24,8 @@ EPS = "privacy/epsilon"
 
 
 def read_run(run_dir: Path) -> dict[str, Any] | None:
-    """`{noise, alpha, clip, variant, acc, epsilon, rounds}` of a finished run, or None.
-
-    Raises:
-        UserError: `summary.json` is a symlink, FIFO, oversized, too deeply nested or malformed
-            (a run directory is untrusted input, docs/security.md).
-    """
+    """`{noise, alpha, clip, variant, acc, epsilon, rounds}` of a finished run, or None; a
+    UserError for a `summary.json` the gate refuses or rayfl did not write (untrusted input)."""
     summary = read_summary(run_dir)  # {} when there is none (an unfinished trial)
     if not summary:
         return None
@@ -116,15 +112,7 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
             continue
         color = colors[i % len(colors)]
         if math.isfinite(r["epsilon"]):  # a DP reference run is a point at its budget
-            ax.plot(
-                [r["epsilon"]],
-                [r["acc"]],
-                marker="*",
-                markersize=12,
-                color=color,
-                ls="",
-                label=label,
-            )
+            ax.plot([r["epsilon"]], [r["acc"]], "*", markersize=12, color=color, label=label)
         else:  # no DP: a level line (epsilon is infinite)
             ax.axhline(
                 r["acc"], linestyle=styles[i % len(styles)], color=color, label=f"{label} (no DP)"

@@ -1,10 +1,8 @@
 """Whether a run's workers and server fit the CPUs and GPUs they would be placed on, without Ray.
 
-One set of rules and messages serves every place that asks: the engine once Ray is up
-(`rayfl.engine.pool.plan_workers`, on `ray.cluster_resources()`), `rayfl validate` and the
-config check (on `engine.ray_num_cpus`, on a cluster launcher file at its maximum size with
-`--cluster`), and `rayfl run` before it starts a private Ray (on this machine's CPUs and GPUs):
-a run that cannot be placed is refused in one line before Ray starts, not after.
+One set of rules and messages for the engine once Ray is up (`ray.cluster_resources()`), the
+config check (`engine.ray_num_cpus`), `rayfl validate --cluster` (a launcher file at its
+maximum size) and `rayfl run` before it starts a private Ray (this machine).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ GPU_CLUSTER = (
 
 def worker_capacity(e: EngineConfig, total: Mapping[str, float]) -> int:
     """Workers with `engine.worker_resources` that fit `total` after the server's share (0 when
-    not even the server fits). A resource given as infinite is not counted (a check of CPUs
-    alone)."""
+    not even the server fits); an infinite resource is not counted."""
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     w, s = e.worker_resources, e.server_resources
     if s.num_cpus > cpus or s.num_gpus > gpus:
@@ -63,12 +60,8 @@ def check_fits(
     where: str = "the cluster",
     fix: str = LOWER_WORKERS,
 ) -> int:
-    """How many workers fit `total` (the CPUs and GPUs of `where`) after the server's share.
-
-    Raises:
-        UserError: the server does not fit, not one worker fits, or the pinned
-            `engine.num_workers` do not all fit (one line naming `where` and the fix).
-    """
+    """How many workers fit `total` (the CPUs and GPUs of `where`) after the server's share; a
+    UserError when the server, one worker, or the pinned `engine.num_workers` do not fit."""
     w, s = e.worker_resources, e.server_resources
     has = _check_server(e, total, where, fix)
     capacity = worker_capacity(e, total)
@@ -93,13 +86,9 @@ def fit_pools(
     where: str = "the cluster",
 ) -> dict[Resources, int]:
     """Workers per resource shape (`engine.resources_by_arch`): one per shape first, then more
-    in turn, each shape up to its share (by clients) of one wave of a round's clients, or of
-    `engine.num_workers` (then no more than that in all), while `total` holds them after the
-    server's share.
-
-    Raises:
-        UserError: the server, or one worker of every shape, does not fit (one line).
-    """
+    in turn, each shape up to its share (by clients) of one wave of a round's clients (or of
+    `engine.num_workers`, never more in all), while `total` holds them after the server's; a
+    UserError when the server, or one worker of every shape, does not fit."""
     counts = Counter(client_shapes)
     order = list(dict.fromkeys(client_shapes))  # first appearance: the same on every call
     has = _check_server(e, total, where, LOWER_WORKERS)
@@ -137,8 +126,7 @@ def fit_pools(
 
 
 def check_shapes(e: EngineConfig, total: Mapping[str, float], where: str) -> None:
-    """`check_fits` for the run's one worker shape, or, with `engine.resources_by_arch`, for
-    each shape alone (how the pools share `total` is decided once Ray runs: `fit_pools`)."""
+    """`check_fits` for each worker shape alone (`fit_pools` shares `total` once Ray runs)."""
     if not e.resources_by_arch:
         check_fits(e, total, where=where)
         return
@@ -149,15 +137,13 @@ def check_shapes(e: EngineConfig, total: Mapping[str, float], where: str) -> Non
 
 
 def worker_shapes(e: EngineConfig) -> list[Resources]:
-    """Every worker reservation the run may ask for: `engine.worker_resources` and those of
-    `engine.resources_by_arch`."""
+    """Every worker reservation: `engine.worker_resources`, `engine.resources_by_arch`'s."""
     return list(dict.fromkeys([e.worker_resources, *e.resources_by_arch.values()]))
 
 
 def check_ray_num_cpus(e: EngineConfig) -> None:
-    """A private Ray of `engine.ray_num_cpus` CPUs must host the server's reservation and one
-    worker (all `engine.num_workers` when pinned): checked with the config, before Ray starts.
-    GPUs are not judged here (they depend on the machine: see :func:`check_local`)."""
+    """A private Ray of `engine.ray_num_cpus` CPUs hosts the server and one worker (all pinned
+    `engine.num_workers`); GPUs depend on the machine (`check_local`)."""
     if e.executor != "ray" or e.address or e.ray_num_cpus is None:
         return
     check_fits(
@@ -169,11 +155,8 @@ def check_ray_num_cpus(e: EngineConfig) -> None:
 
 
 def local_gpus() -> int:
-    """GPUs this machine shows a private Ray (CUDA devices that `CUDA_VISIBLE_DEVICES` admits).
-
-    Without an NVIDIA driver (no /proc/driver/nvidia, no /dev/nvidia0) there is none, known
-    without importing torch; else torch counts them (torch's import before Ray starts, paid
-    only by a local run that asks for GPUs, and saved later by the config check)."""
+    """GPUs this machine shows a private Ray: none without an NVIDIA driver (known without
+    importing torch), else torch's count (what `CUDA_VISIBLE_DEVICES` admits)."""
     if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
         return 0
     import torch
@@ -187,22 +170,14 @@ def local_cpus(e: EngineConfig) -> float:
 
 
 def local_resources(e: EngineConfig) -> dict[str, float]:
-    """The CPUs and GPUs a private Ray of this run would have: `engine.ray_num_cpus` (else the
-    machine's CPUs) and the machine's GPUs (counted only when the run asks for any)."""
+    """A private Ray's CPUs and GPUs (GPUs counted only when the run asks for any)."""
     asks_gpu = any(r.num_gpus > 0 for r in [*worker_shapes(e), e.server_resources])
-    return {
-        "CPU": local_cpus(e),
-        "GPU": float(local_gpus()) if asks_gpu else 0.0,
-    }
+    return {"CPU": local_cpus(e), "GPU": float(local_gpus()) if asks_gpu else 0.0}
 
 
 def check_local(e: EngineConfig) -> None:
-    """`rayfl run` before it starts a private Ray (no `engine.address`): the run's server and
-    workers must fit this machine, e.g. no GPU asked of a machine without one.
-
-    Raises:
-        UserError: they do not (one line; see :func:`check_fits`).
-    """
+    """`rayfl run` before it starts a private Ray: the server and workers fit this machine (no
+    GPU asked of a machine without one), else a UserError."""
     if e.executor != "ray" or e.address:
         return
     total = local_resources(e)
@@ -218,9 +193,8 @@ def check_local(e: EngineConfig) -> None:
 
 
 def local_note(e: EngineConfig) -> str:
-    """What `rayfl validate` says about a local run that this machine cannot place (a GPU asked
-    of a machine without one): a warning, since the same config may be meant for a cluster;
-    `rayfl run` refuses it before starting Ray. Empty when it fits."""
+    """`rayfl validate`'s warning (empty when it fits) for a local run this machine cannot
+    place: the same config may be meant for a cluster; `rayfl run` refuses it."""
     try:
         check_local(e)
     except UserError as exc:
@@ -229,13 +203,9 @@ def local_note(e: EngineConfig) -> str:
 
 
 def check_cluster(e: EngineConfig, cluster: ClusterSize) -> None:
-    """A run on the cluster of a launcher file (`rayfl validate --cluster FILE`): its server and
-    one worker must each fit some node type (an actor never spans nodes), and the server plus
-    the pinned `engine.num_workers` must fit the cluster at its maximum size.
-
-    Raises:
-        UserError: one line naming the request, the cluster's nodes and the fix.
-    """
+    """`rayfl validate --cluster FILE`: the server and one worker each fit some node type (an
+    actor never spans nodes), and with the pinned `engine.num_workers` fit the cluster at its
+    maximum size; else a UserError naming the request, the nodes and the fix."""
     if e.executor != "ray":
         return
     nodes = f"{cluster.path} ({cluster.describe()})"

@@ -4,7 +4,7 @@ A YAML experiment file mirrors `RunConfig`. Every key is declared with `setting`
 its help (what `rayfl ls SECTION` prints) and its allowed range in the field's metadata, where
 the loader (`rayfl.config`) checks it. This module imports nothing of rayfl, so every layer
 (algorithms, data, engine) may use the types; loading, overrides and the checks across keys
-live in `rayfl.config` and `rayfl.config_checks`.
+live in `rayfl.config` and `rayfl.checks`.
 """
 
 from __future__ import annotations

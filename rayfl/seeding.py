@@ -25,9 +25,8 @@ class Purpose(IntEnum):
     SERVER = 3  # the server's model init (seed, SERVER), its round (seed, round, SERVER)
     SAMPLE = 4  # the round's clients: (seed, round, SAMPLE)
     EVAL = 5  # a client's evaluation: (seed, round, client, EVAL)
-    PRIVACY = (
-        6  # a client's noise (seed, round, client, PRIVACY), the server's (seed, round, PRIVACY)
-    )
+    # a client's noise (seed, round, client, PRIVACY), the server's (seed, round, PRIVACY)
+    PRIVACY = 6
     DATA_SUBSET = 7  # `data.train_samples`'s subset: (seed, DATA_SUBSET)
     DATA_PUBLIC = 8  # the public split: (seed, DATA_PUBLIC)
     DATA_SPLIT = 9  # a client's train/test split: (seed, client, DATA_SPLIT)

@@ -45,17 +45,8 @@ def write_table(
     csv: bool = False,
     key: Callable[[str], Any] | None = None,
 ) -> list[Path]:
-    """Write `rows` to `path` as Parquet (and beside it as CSV with `csv=True`).
-
-    Args:
-        rows: one dict per row.
-        path: the Parquet file; its suffix is replaced by `.parquet` / `.csv`.
-        csv: also write the CSV twin (suites, for spreadsheets).
-        key: sort key of the column names (default: first-seen order).
-
-    Returns:
-        The files written, CSV first when there is one.
-    """
+    """Write `rows` to `path` (suffix `.parquet`), with `csv=True` also a CSV twin (suites, for
+    spreadsheets); `key` sorts the columns. Returns the files written, the CSV first."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 

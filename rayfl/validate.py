@@ -8,8 +8,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayfl.config import build_config
+from rayfl.checks import check_family
+from rayfl.clusterconfig import (
+    ClusterSize,
+    cluster_size,
+    describe_cluster,
+    is_cluster_file,
+    validate_cluster_config,
+)
+from rayfl.config import build_config, read_yaml
 from rayfl.errors import UserError
+from rayfl.resources import check_cluster, local_note
 
 # the file kinds that are not one run, by their top-level key: (what it is, the command to use)
 OTHER_KINDS = {
@@ -21,9 +30,6 @@ OTHER_KINDS = {
 
 def refuse_other_kinds(path: Path) -> None:
     """`rayfl run` on a suite, sweep or benchmark file: one line naming the command to use."""
-    from rayfl.clusterconfig import is_cluster_file
-    from rayfl.config import read_yaml
-
     raw = read_yaml(path)
     for key, (what, command) in OTHER_KINDS.items():
         if key in raw:
@@ -42,30 +48,21 @@ def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return files, [a for a in args if a not in files]
 
 
-def load_cluster(path: str | Path) -> Any:
-    """The `rayfl.clusterconfig.ClusterSize` of the cluster launcher file `--cluster` names."""
-    from rayfl.clusterconfig import cluster_size, validate_cluster_config
-
+def load_cluster(path: str | Path) -> ClusterSize:
+    """The size of the cluster launcher file `--cluster` names."""
     return cluster_size(validate_cluster_config(path), path)
 
 
 def validate_file(
     path: str | Path,
     overrides: Sequence[str] = (),
-    cluster: Any = None,
+    cluster: ClusterSize | None = None,
     notes: list[str] | None = None,
 ) -> str:
-    """Validate a file; return a one-line description, or raise a UserError (one line).
-
-    With `cluster` (a `rayfl.clusterconfig.ClusterSize`, `--cluster FILE`) the runs' workers
-    and server must fit that cluster at its maximum size; without it, a local run that this
-    machine cannot place (a GPU asked of a machine without one) adds a warning to `notes`.
-    """
-    from rayfl.config import read_yaml
-
+    """Validate a file; return a one-line description, or raise a UserError (one line). With
+    `cluster` (`--cluster FILE`) the runs must fit that cluster at its maximum size; without
+    it, a local run this machine cannot place adds a warning to `notes`."""
     raw = read_yaml(path)
-    from rayfl.clusterconfig import describe_cluster, is_cluster_file, validate_cluster_config
-
     if is_cluster_file(raw):
         return describe_cluster(validate_cluster_config(path))
     configs: list[Any]
@@ -83,8 +80,6 @@ def validate_file(
         # a benchmark's base is one run (its variants: experiments/benchmarks/bench.py)
         bench = raw.pop("bench", None) is not None
         cfg = build_config(raw, overrides)
-        from rayfl.checks import check_family
-
         archs = check_family(cfg)
         configs = [cfg]
         describe = (
@@ -99,10 +94,10 @@ def validate_file(
     return describe
 
 
-def check_placement(configs: Sequence[Any], cluster: Any, notes: list[str] | None) -> None:
+def check_placement(
+    configs: Sequence[Any], cluster: ClusterSize | None, notes: list[str] | None
+) -> None:
     """The resource checks of `validate_file` over each distinct engine section of `configs`."""
-    from rayfl.resources import check_cluster, local_note
-
     seen: list[Any] = []
     for cfg in configs:
         if cfg.engine in seen:

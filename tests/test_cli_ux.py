@@ -46,6 +46,21 @@ def test_ls_algorithm_prints_parameters_with_defaults_and_help(capsys):
     assert "pfedes" in capsys.readouterr().err  # the suggestion
 
 
+@pytest.mark.parametrize(
+    ("kind", "member"),
+    [
+        ("datasets", "fmnist"),
+        ("models", "cnn_small"),
+        ("families", "seed3"),
+        ("algorithms", "fedavg"),
+    ],
+)
+def test_ls_lists_one_kind_of_entry(capsys, kind, member):
+    assert main(["ls", kind]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{kind}:") and member in out and "unknown" not in out
+
+
 def test_help_has_examples(capsys):
     for argv in (["--help"], ["run", "--help"], ["validate", "--help"]):
         with pytest.raises(SystemExit):

@@ -5,6 +5,7 @@ admitted (`_BatchUnpickler`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 from collections.abc import Sequence
@@ -85,30 +86,16 @@ def _read_cifar_batches(paths: Sequence[Path], label_key: str) -> tuple[np.ndarr
 
 _CIFAR = {
     # name: folder, train files, test files, label key, torchvision class, classes, mean, std
-    "cifar10": (
-        "cifar-10-batches-py",
-        tuple(f"data_batch_{i}" for i in range(1, 6)),
-        ("test_batch",),
-        "labels",
-        "CIFAR10",
-        10,
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-    ),
-    "cifar100": (
-        "cifar-100-python",
-        ("train",),
-        ("test",),
-        "fine_labels",
-        "CIFAR100",
-        100,
-        (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762),
-    ),
-}
+    "cifar10": ("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",),
+                "labels", "CIFAR10", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("cifar-100-python", ("train",), ("test",),
+                 "fine_labels", "CIFAR100", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}  # fmt: skip
 
 
-def _load_cifar(name: str, root: str | None) -> ArrayDataset:
+def _load_cifar(name: str, root: str | None = None, **options: Any) -> ArrayDataset:
+    """CIFAR-10 or CIFAR-100 (fine labels): 50k/10k 32x32 RGB images from `root/<folder>`."""
+    datasets._check_options(name, options)
     folder, train_files, test_files, label_key, tv_class, classes, mean, std = _CIFAR[name]
     base = datasets._root(root)
 
@@ -118,37 +105,13 @@ def _load_cifar(name: str, root: str | None) -> ArrayDataset:
                 return d
         return None
 
-    directory = find()
-    if directory is None:
-        logger.info("%s: %s not found under %s; downloading with torchvision", name, folder, base)
-        try:
-            datasets._download(tv_class, base)
-        except Exception as exc:  # offline, DNS, checksum: the fix is the same
-            raise UserError(
-                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); "
-                f"put the extracted python version ({folder}/ with {', '.join(train_files + test_files)}) "
-                f"under {base}"
-            ) from exc
-        directory = find()
-        if directory is None:
-            raise UserError(
-                f"{name}: torchvision downloaded no {folder}/ under {base}; put it there"
-            )
+    hint = f"put the extracted python version ({folder}/ with {', '.join(train_files + test_files)}) under {base}"
+    directory = datasets.find_or_download(name, base, find, tv_class, hint)
     logger.info("%s: loading %s", name, directory)
     x_train, y_train = _read_cifar_batches([directory / f for f in train_files], label_key)
     x_test, y_test = _read_cifar_batches([directory / f for f in test_files], label_key)
     return ArrayDataset(name, x_train, y_train, x_test, y_test, classes, mean, std, 255.0)
 
 
-@DATASETS.register("cifar10")
-def load_cifar10(root: str | None = None, **options: Any) -> ArrayDataset:
-    """CIFAR-10: 50k/10k 32x32 RGB images of 10 classes, from `root/cifar-10-batches-py`."""
-    datasets._check_options("cifar10", options)
-    return _load_cifar("cifar10", root)
-
-
-@DATASETS.register("cifar100")
-def load_cifar100(root: str | None = None, **options: Any) -> ArrayDataset:
-    """CIFAR-100 (fine labels): 50k/10k 32x32 RGB images of 100 classes, from `root/cifar-100-python`."""
-    datasets._check_options("cifar100", options)
-    return _load_cifar("cifar100", root)
+for _name in _CIFAR:
+    DATASETS.add(_name, functools.partial(_load_cifar, _name))

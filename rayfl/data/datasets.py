@@ -17,10 +17,10 @@ import functools
 import gzip
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from rayfl.registry import Registry
 DATASETS: Registry[Any] = Registry("dataset", group="rayfl.datasets")
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Debian's `dataset-fashion-mnist` package installs the IDX files here; module-level so tests can
 # point it elsewhere.
@@ -43,21 +44,9 @@ DEBIAN_DIRS: dict[str, Path] = {
 
 @dataclass(frozen=True, eq=False)
 class ArrayDataset:
-    """A dataset held as numpy arrays, normalised lazily per batch.
-
-    `eq=False`: arrays make field-wise equality and hashing meaningless; identity is used.
-
-    Attributes:
-        name: registry name of the dataset.
-        x_train: training inputs, (N, C, H, W) uint8 for images, float32 for synthetic data.
-        y_train: training labels, (N,) int64.
-        x_test: the server test set (the dataset's official test split).
-        y_test: its labels.
-        num_classes: number of classes.
-        mean: per-channel mean, applied after dividing by `scale`.
-        std: per-channel standard deviation.
-        scale: 255.0 for uint8 images, 1.0 for float data.
-    """
+    """A dataset held as numpy arrays (inputs (N, C, H, W), uint8 images or float32, int64
+    labels; the test set is the dataset's official one), normalised lazily per batch: `(x /
+    scale - mean) / std` per channel. `eq=False`: arrays compare by identity."""
 
     name: str
     x_train: np.ndarray
@@ -84,7 +73,6 @@ class ArrayDataset:
 
     @property
     def in_shape(self) -> tuple[int, ...]:
-        """Shape of one input, without the batch dimension."""
         return tuple(int(d) for d in self.x_train.shape[1:])
 
     def as_tensor(self, x: np.ndarray) -> torch.Tensor:
@@ -145,17 +133,10 @@ def _check_options(dataset: str, options: dict[str, Any], allowed: Sequence[str]
 
 
 def read_idx(path: str | os.PathLike[str], expected_magic: int | None = None) -> np.ndarray:
-    """Read an IDX file (the MNIST format), gzipped or not.
+    """A writable uint8 array from an IDX file (MNIST's format; `.gz` is decompressed).
 
     The header is big-endian: two zero bytes, a type code (0x08 = uint8), the number of
     dimensions, then one uint32 per dimension. Images have magic 2051, labels 2049.
-
-    Args:
-        path: the file; names ending in `.gz` are decompressed.
-        expected_magic: if given, the magic number the file must carry.
-
-    Returns:
-        A writable uint8 array of the shape in the header.
     """
     path = Path(path)
     opener: Any = gzip.open if path.suffix == ".gz" else open
@@ -210,6 +191,26 @@ def _download(torchvision_class: str, root: Path) -> None:
     getattr(torchvision.datasets, torchvision_class)(str(root), train=True, download=True)
 
 
+def find_or_download(
+    name: str, base: Path, find: Callable[[], T | None], torchvision_class: str, hint: str
+) -> T:
+    """What `find()` finds of dataset `name`, after a torchvision download into `base` when it
+    finds nothing; a UserError ending in `hint` (how to put the files there) otherwise."""
+    found = find()
+    if found is None:
+        logger.info("%s: files not found under %s; downloading with torchvision", name, base)
+        try:
+            _download(torchvision_class, base)
+        except Exception as exc:  # any failure (offline, DNS, checksum) has the same fix
+            raise UserError(
+                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); {hint}"
+            ) from exc
+        found = find()
+        if found is None:
+            raise UserError(f"{name}: torchvision downloaded no files under {base}; {hint}")
+    return found
+
+
 def _load_idx_dataset(
     name: str,
     root: str | None = None,
@@ -228,22 +229,11 @@ def _load_idx_dataset(
     def find() -> dict[str, Path] | None:
         return next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
 
-    files = find()
-    if files is None:
-        logger.info("%s: IDX files not found in %s; downloading with torchvision", name, base)
-        try:
-            _download(torchvision_class, base)
-        except Exception as exc:  # any failure (offline, DNS, checksum) has the same fix
-            raise UserError(
-                f"{name}: data not found and download failed ({type(exc).__name__}: {exc}); "
-                f"run `apt-get install {apt_package}` or put the four IDX files "
-                f"(train/t10k-images-idx3-ubyte[.gz], train/t10k-labels-idx1-ubyte[.gz]) under {base}"
-            ) from exc
-        files = find()
-        if files is None:
-            raise UserError(
-                f"{name}: torchvision downloaded no IDX files under {base}; put them there"
-            )
+    hint = (
+        f"run `apt-get install {apt_package}` or put the four IDX files (train/t10k-images-idx3-"
+        f"ubyte[.gz], train/t10k-labels-idx1-ubyte[.gz]) under {base}"
+    )
+    files = find_or_download(name, base, find, torchvision_class, hint)
     logger.info("%s: loading IDX files from %s", name, files["x_train"].parent)
     arrays = {key: read_idx(path, _IDX_FILES[key][1]) for key, path in files.items()}
     return ArrayDataset(
@@ -299,15 +289,7 @@ def load_synthetic(
 
     Each class has its own mean vector (drawn once from `N(0, 1)`); samples are that mean plus
     unit Gaussian noise, so a linear model separates the classes well. Float32, already
-    normalised (scale 1, mean 0, std 1). `root` is ignored.
-
-    Args:
-        root: unused.
-        num_samples: training samples.
-        num_test: server test samples.
-        num_classes: number of classes.
-        shape: shape of one sample, channels first.
-        seed: seed for means, labels and noise.
+    normalised. `root` is ignored; `shape` is one sample's, channels first.
     """
     _check_options(
         "synthetic", options, ("num_samples", "num_test", "num_classes", "shape", "seed")
@@ -332,17 +314,9 @@ def load_synthetic(
 
     x_train, y_train = draw(num_samples)
     x_test, y_test = draw(num_test)
-    channels = shape[0]
+    zeros, ones = (0.0,) * shape[0], (1.0,) * shape[0]
     return ArrayDataset(
-        "synthetic",
-        x_train,
-        y_train,
-        x_test,
-        y_test,
-        num_classes,
-        (0.0,) * channels,
-        (1.0,) * channels,
-        1.0,
+        "synthetic", x_train, y_train, x_test, y_test, num_classes, zeros, ones, 1.0
     )
 
 
@@ -366,17 +340,7 @@ def load_digits(
     order = np.random.default_rng(seed).permutation(len(y))
     n_test = round(test_fraction * len(y))
     test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
-    x_train = x[train]
     # Statistics of the training split itself (about 0.30 / 0.38 after scaling by 16).
-    scaled = x_train / 16.0
-    return ArrayDataset(
-        "digits",
-        x_train,
-        y[train],
-        x[test],
-        y[test],
-        10,
-        (float(scaled.mean()),),
-        (float(scaled.std()),),
-        16.0,
-    )
+    scaled = x[train] / 16.0
+    mean, std = (float(scaled.mean()),), (float(scaled.std()),)
+    return ArrayDataset("digits", x[train], y[train], x[test], y[test], 10, mean, std, 16.0)

@@ -1,25 +1,18 @@
 """Feature shift: clients living in domains, and NIID-Bench's noise-based feature skew.
 
-Composable with any label partition: the partitioner decides which samples (labels) a client
-holds, this module what its inputs look like. A `DomainPlan` (from the config's `data.domains`)
-does two things inside `build_federation`:
+The label partition decides which samples a client holds, this module what its inputs look
+like. A `DomainPlan` (`data.domains`) assigns clients to domains in contiguous blocks, sized by
+`clients_per_domain` or `proportions` (largest remainder), equal by default. A dataset with
+domains of its own (`rayfl.data.folder`) has each domain's samples partitioned among its
+clients only; otherwise every domain is a transformation (`rayfl.data.transforms`) of the base
+data, applied to each client's train and test samples. NIID-Bench's feature skew (Li et al.,
+ICDE 2022) adds Gaussian noise of std `noise * i / num_clients` to client i's inputs (pixels in
+[0, 1]; NIID-Bench's code divides by N - 1, the paper by N as here).
 
-- assigns clients to domains in contiguous blocks (client 0.. to the first domain), sized by
-  `clients_per_domain` or `proportions` (largest remainder), equal by default. A dataset with
-  domains of its own (`rayfl.data.folder`) has each domain's samples partitioned among that
-  domain's clients only; otherwise every domain is a transformation (`rayfl.data.transforms`) of
-  the same base data, applied to each client's train and test samples;
-- adds NIID-Bench's feature skew (Li et al., ICDE 2022): client i's inputs get Gaussian noise of
-  standard deviation `noise * i / num_clients` (pixels scaled to [0, 1]); NIID-Bench's code
-  divides by num_clients - 1, the paper by N as here.
-
-Everything is done once, on a copy of the arrays, with the client's own stream
-(`Purpose.DATA_SHIFT`), so every algorithm of a comparison sees the same images, and the
-workers read the shifted arrays like any dataset (once per node from Ray's object store).
-The server test set is split over the domains (sample j in domain j mod D, the held-out one
-included) unless the dataset has its own; the public split and unused samples stay the base
-data. A held-out domain's clients are never sampled for training and only evaluated (domain
-generalization); that needs `eval.protocol=deployed`.
+It is done once, on copies of the arrays, with each client's own stream (`Purpose.DATA_SHIFT`),
+so every algorithm of a comparison sees the same images. The server test set is split over the
+domains (sample j in domain j mod D) unless the dataset has its own; the public split stays the
+base data. A held-out domain's clients are only evaluated (domain generalization).
 """
 
 from __future__ import annotations
@@ -92,15 +85,8 @@ def client_counts(
 
 @dataclasses.dataclass(frozen=True)
 class DomainPlan:
-    """Which domain each client lives in, and how the federation's inputs are shifted.
-
-    Attributes:
-        names: the domains (transformation recipes, or the dataset's own).
-        client_domain: each client's domain index.
-        real: the domains are the dataset's own (partition per domain, no transformation).
-        held_out: index of the domain whose clients are evaluated only, or None.
-        noise: NIID-Bench's feature-skew level (0: none).
-    """
+    """Each client's domain index among `names` (recipes, or the dataset's own domains when
+    `real`), the held-out domain's index, and NIID-Bench's `noise` level (0: none)."""
 
     names: tuple[str, ...]
     client_domain: np.ndarray

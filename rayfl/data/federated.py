@@ -33,20 +33,12 @@ PUBLIC_CLIENT = -1
 # A client's splits, in the order partition.parquet lists them ("val" only when some client has one).
 SPLITS = ("train", "test", "val")
 
-# Independent random streams per stage, so e.g. changing test_fraction leaves the partition alone.
-
 
 @dataclass(frozen=True, eq=False)
 class ClientSplit:
-    """One client's data, as sorted int64 indices into `dataset.x_train`.
-
-    Attributes:
-        train: the client's training samples.
-        test: the client's local test split, with the same label distribution as `train`.
-        val: the client's validation split, carved from its training samples with the same
-            label distribution (`data.val_fraction`; empty when 0). Hyperparameters and rounds
-            are chosen on it, never on `test`.
-    """
+    """One client's data, as sorted int64 indices into `dataset.x_train`: `test` and `val`
+    (`data.val_fraction`, carved from the training samples; rounds and hyperparameters are
+    chosen on it, never on `test`) have the label distribution of `train`."""
 
     train: np.ndarray
     test: np.ndarray
@@ -54,22 +46,15 @@ class ClientSplit:
 
     @property
     def num_samples(self) -> int:
-        """Number of training samples (the usual aggregation weight)."""
+        """Training samples (the usual aggregation weight)."""
         return len(self.train)
 
 
 @dataclass(frozen=True, eq=False)
 class Federation:
-    """A dataset split over clients, plus a public split held out from all of them.
-
-    Attributes:
-        dataset: the underlying arrays.
-        clients: one `ClientSplit` per client, in client-id order.
-        public: indices into `dataset.x_train` that no client holds (for distillation / FedMD).
-        client_domain: each client's domain name (`data.domains`, `rayfl.data.domains`), or
-            None when the federation has no domains.
-        eval_only: clients of a held-out domain: evaluated, never sampled for training.
-    """
+    """A dataset split over clients (in client-id order), plus a `public` split no client holds
+    (distillation, FedMD); each client's domain name (`data.domains`) or None, and the clients
+    of a held-out domain (`eval_only`: evaluated, never sampled for training)."""
 
     dataset: ArrayDataset
     clients: tuple[ClientSplit, ...]
@@ -79,23 +64,14 @@ class Federation:
 
     @property
     def num_clients(self) -> int:
-        """Number of clients."""
         return len(self.clients)
 
     @property
     def has_val(self) -> bool:
-        """Whether any client holds a validation split."""
         return any(len(c.val) for c in self.clients)
 
     def class_counts(self, split: str = "train") -> np.ndarray:
-        """Per-client label histogram.
-
-        Args:
-            split: "train", "test" or "val".
-
-        Returns:
-            (num_clients, num_classes) int64 counts.
-        """
+        """(num_clients, num_classes) int64 label histogram of one split of every client."""
         if split not in SPLITS:
             raise ValueError(f"split must be 'train', 'test' or 'val', not {split!r}")
         labels = self.dataset.y_train
@@ -178,26 +154,17 @@ def build_federation(
     domains: DomainsConfig | None = None,
     val_fraction: float = 0.0,
 ) -> Federation:
-    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only).
-
-    Steps: (1) if `train_samples` is set, keep a seeded random subset of that many training
-    samples; (2) hold out a seeded `public_fraction` of those as the public split; (3) partition
-    the rest with the named partitioner and its `partition_options` (a dataset with its own
-    domains per domain); (4) split each client's samples into train and test, stratified by
-    class, with `test_fraction` in test (every client keeps >= 1 train sample), then apply
-    `domains` (`rayfl.data.domains`) on copies of the arrays; (5) move a stratified
-    `val_fraction` of each client's training samples to its validation split. Every step draws
-    its own stream (`rayfl.seeding`): `val_fraction=0` leaves the splits exactly as they were
-    without it, and the split is the same for every algorithm. A ConfigError for an invalid
-    setting, a UserError when the partitioner cannot satisfy its options on this data.
-    """
+    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only):
+    (1) a seeded subset of `train_samples`, (2) a seeded `public_fraction` of it held out, (3)
+    the rest partitioned (per domain for a dataset with its own), (4) each client's samples
+    split into train and test stratified by class (>= 1 train sample stays), `domains` applied
+    on copies of the arrays, (5) a stratified `val_fraction` of train moved to validation. Each
+    step draws its own stream (`rayfl.seeding`), so `val_fraction=0` leaves the splits as they
+    were, and the split is the same for every algorithm."""
     n = len(dataset.y_train)
-    if not 0.0 <= test_fraction < 1.0:
-        raise ConfigError(f"data.test_fraction: {test_fraction} must be in [0, 1)")
-    if not 0.0 <= public_fraction < 1.0:
-        raise ConfigError(f"data.public_fraction: {public_fraction} must be in [0, 1)")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction: {val_fraction} must be in [0, 1)")
+    for key, value in [("test", test_fraction), ("public", public_fraction), ("val", val_fraction)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"data.{key}_fraction: {value} must be in [0, 1)")
     fn = PARTITIONERS.get(partitioner, key="data.partition.name")
     options = dict(partition_options or {})
     _check_partition_options(partitioner, fn, options)
@@ -252,15 +219,8 @@ def build_federation(
         shifted, client_domain, eval_only = plan.apply(dataset, samples, seed)
         fed = replace(fed, dataset=shifted, client_domain=client_domain, eval_only=eval_only)
     sizes = [c.num_samples for c in clients]
-    logger.info(
-        "%s: %d clients (%s), train sizes %d..%d, %d public",
-        dataset.name,
-        len(clients),
-        partitioner,
-        min(sizes),
-        max(sizes),
-        len(public),
-    )
+    logger.info("%s: %d clients (%s), train sizes %d..%d, %d public", dataset.name, len(clients),
+                partitioner, min(sizes), max(sizes), len(public))  # fmt: skip
     return fed
 
 
@@ -285,21 +245,11 @@ def prepare_federation(cfg: RunConfig) -> Federation:
 
 
 def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
-    """Write the split as Parquet into `run_dir`.
+    """Write the split as Parquet into `run_dir` (created if missing); returns both paths.
 
-    Files:
-        `partition.parquet`: columns `client` (int32, -1 for public), `split`
-        ('train' | 'test' | 'val' | 'public'; 'val' only when a client has a validation split),
-        `index` (int64 into `x_train`).
-        `class_counts.parquet`: columns `client`, `split`, `class` (int32), `count` (int64),
-        one row per client, split and class (zeros included).
-
-    Args:
-        fed: the federation.
-        run_dir: directory to write into (created if missing).
-
-    Returns:
-        The two paths written.
+    `partition.parquet`: `client` (int32, -1 for public), `split` (train, test, val, public;
+    val only when a client has one), `index` (int64 into `x_train`). `class_counts.parquet`:
+    `client`, `split`, `class` (int32), `count` (int64), one row per client, split and class.
     """
     import pyarrow as pa  # lazy: only runs that save need it
     import pyarrow.parquet as pq
@@ -344,14 +294,8 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
 
 
 def load_partition(path: str | Path) -> dict[str, Any]:
-    """Read a `partition.parquet` written by `save_partition`.
-
-    Args:
-        path: the file, or the run directory holding it.
-
-    Returns:
-        `{"clients": {client_id: ClientSplit}, "public": np.ndarray}`, arrays sorted int64.
-    """
+    """`{"clients": {client_id: ClientSplit}, "public": indices}` from a `partition.parquet`
+    written by `save_partition` (`path`: the file or the run directory holding it)."""
     import pyarrow.parquet as pq
 
     path = Path(path)

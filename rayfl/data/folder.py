@@ -31,13 +31,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 @dataclass(frozen=True, eq=False)
 class MultiDomainDataset(ArrayDataset):
-    """An `ArrayDataset` whose samples each come from one named domain.
-
-    Attributes:
-        domain_names: the domains, in folder-name order.
-        domain_train: (N_train,) int64 domain index of each training sample.
-        domain_test: (N_test,) int64 domain index of each test sample.
-    """
+    """An `ArrayDataset` with each sample's domain: an int64 index into `domain_names`."""
 
     domain_names: tuple[str, ...]
     domain_train: np.ndarray
@@ -56,11 +50,8 @@ def _images(folder: Path) -> list[Path]:
 def read_tree(
     root: Path, size: tuple[int, int], channels: int, domains: Sequence[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...], tuple[str, ...]]:
-    """(images (N, C, H, W) uint8, labels, domain indices, domain names, class names) of a tree.
-
-    Raises:
-        UserError: no domain folder, no image, or an image PIL cannot read.
-    """
+    """(images (N, C, H, W) uint8, labels, domain indices, domain names, class names) of a tree;
+    a UserError for no domain folder, no image, or an image PIL cannot read."""
     from PIL import Image, UnidentifiedImageError
 
     if not root.is_dir():
@@ -115,16 +106,9 @@ def load_folder(
     domains: Sequence[str] | None = None,
     **options: Any,
 ) -> MultiDomainDataset:
-    """Images in `data.root/<domain>/<class>/` (PACS, Office-Home, DomainNet, ...), per domain.
-
-    Args:
-        root: the folder holding one folder per domain (`data.root`, required).
-        size: (height, width) every image is resized to.
-        channels: 3 (RGB) or 1 (grey).
-        test_fraction: share of each domain's images held out as the server test set.
-        seed: seed of that split (it defines the data, like `digits`' split).
-        domains: the domain folders to read (None: all, sorted by name).
-    """
+    """Images in `data.root/<domain>/<class>/`, resized to `size` (height, width), RGB or grey
+    (`channels` 3 or 1); a seeded `test_fraction` of each domain's images is the server test
+    set (the seed defines the data, like `digits`' split). `domains`: the folders to read."""
     _check_options("folder", options, ("size", "channels", "test_fraction", "seed", "domains"))
     if root is None:
         raise ConfigError(

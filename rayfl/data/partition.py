@@ -42,9 +42,17 @@ def _check_common(labels: np.ndarray, num_clients: int) -> np.ndarray:
     return labels
 
 
-def _check_alpha(alpha: float) -> float:
+def _check_alpha(alpha: float, min_samples: int, num_clients: int, n: int) -> float:
+    """The Dirichlet options of `dirichlet` and `quantity`, checked; `alpha` as a float."""
     if not np.isfinite(alpha) or alpha <= 0:
         raise ConfigError(f"data.partition.alpha: {alpha} must be a positive number (e.g. 0.5)")
+    if int(min_samples) != min_samples or min_samples < 0:
+        raise ConfigError(f"data.partition.min_samples: {min_samples} must be an integer >= 0")
+    if num_clients * min_samples > n:
+        raise UserError(
+            f"data.partition.min_samples: {num_clients} clients x {min_samples} samples exceeds the "
+            f"{n} samples; lower min_samples or use fewer clients"
+        )
     return float(alpha)
 
 
@@ -56,21 +64,12 @@ def _sorted(parts: list[np.ndarray]) -> list[np.ndarray]:
 def iid(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
     """Shuffle the indices and deal them out in equal parts (sizes differ by at most one).
 
-    Args:
-        labels: (N,) class labels (only their number matters here).
-        num_clients: number of parts.
-        seed: shuffling seed.
-
-    Returns:
-        `num_clients` sorted int64 index arrays covering `range(N)`.
-
-    Examples:
-        >>> import numpy as np
-        >>> parts = iid(np.zeros(10, dtype=np.int64), num_clients=3, seed=0)
-        >>> [len(p) for p in parts]
-        [4, 3, 3]
-        >>> sorted(np.concatenate(parts).tolist()) == list(range(10))
-        True
+    >>> import numpy as np
+    >>> parts = iid(np.zeros(10, dtype=np.int64), num_clients=3, seed=0)
+    >>> [len(p) for p in parts]
+    [4, 3, 3]
+    >>> sorted(np.concatenate(parts).tolist()) == list(range(10))
+    True
     """
     labels = _check_common(labels, num_clients)
     order = np.random.default_rng(seed).permutation(len(labels))
@@ -86,23 +85,8 @@ def dirichlet(
     The method of Hsu et al. 2019 ("Measuring the effects of non-identical data distribution"),
     as used by NIID-Bench and Flower Datasets' `DirichletPartitioner`. Small `alpha` (0.1) gives
     clients a few dominant classes; large `alpha` (100) approaches iid. The whole draw is
-    repeated until every client has at least `min_samples` samples.
+    repeated (at most `MAX_DIRICHLET_TRIES` times) until every client has `min_samples`.
 
-    Args:
-        labels: (N,) class labels.
-        num_clients: number of clients.
-        seed: seed for the proportions and the shuffles.
-        alpha: Dirichlet concentration, > 0.
-        min_samples: smallest acceptable client size.
-
-    Returns:
-        `num_clients` sorted int64 index arrays covering `range(N)`.
-
-    Raises:
-        ConfigError: `alpha <= 0` or `min_samples < 0`.
-        UserError: no draw within `MAX_DIRICHLET_TRIES` gives every client `min_samples`.
-
-    Examples:
         >>> import numpy as np
         >>> labels = np.repeat(np.arange(4), 50)
         >>> parts = dirichlet(labels, num_clients=4, seed=0, alpha=0.5, min_samples=5)
@@ -112,14 +96,7 @@ def dirichlet(
         True
     """
     labels = _check_common(labels, num_clients)
-    alpha = _check_alpha(alpha)
-    if int(min_samples) != min_samples or min_samples < 0:
-        raise ConfigError(f"data.partition.min_samples: {min_samples} must be an integer >= 0")
-    if num_clients * min_samples > len(labels):
-        raise UserError(
-            f"data.partition.min_samples: {num_clients} clients x {min_samples} samples exceeds the "
-            f"{len(labels)} samples; lower min_samples or use fewer clients"
-        )
+    alpha = _check_alpha(alpha, min_samples, num_clients, len(labels))
     rng = np.random.default_rng(seed)
     # Stable sort groups indices by class once; each class is then a contiguous block.
     classes, counts = np.unique(labels, return_counts=True)
@@ -136,11 +113,7 @@ def dirichlet(
             sizes += np.diff(edges, prepend=0, append=count)
         if sizes.min() >= min_samples:
             cuts = draw
-            logger.debug(
-                "dirichlet partition accepted after %d draw(s) over %d classes",
-                attempt,
-                len(classes),
-            )
+            logger.debug("dirichlet partition accepted after %d draw(s)", attempt)
             break
     if cuts is None:
         raise UserError(
@@ -186,20 +159,6 @@ def pathological(
     among its clients. With 10 clients, k=2 and 10 classes, every class goes to 2 clients. If
     `num_clients * k` is smaller than the number of classes, some classes are left unused.
 
-    Args:
-        labels: (N,) class labels.
-        num_clients: number of clients.
-        seed: seed for the class deal and the shuffles.
-        classes_per_client: k, 1 <= k <= number of distinct labels.
-
-    Returns:
-        `num_clients` sorted int64 index arrays, disjoint, covering the assigned classes.
-
-    Raises:
-        ConfigError: k outside [1, number of classes].
-        UserError: a class has fewer samples than clients sharing it.
-
-    Examples:
         >>> import numpy as np
         >>> labels = np.repeat(np.arange(10), 20)
         >>> parts = pathological(labels, num_clients=10, seed=0, classes_per_client=2)
@@ -244,32 +203,14 @@ def quantity(
     `Dir(alpha)` (NIID-Bench's quantity-based label-iid split). Small `alpha` gives a few large
     clients and many small ones.
 
-    Args:
-        labels: (N,) class labels (only their number matters here).
-        num_clients: number of clients.
-        seed: seed for the sizes and the shuffle.
-        alpha: Dirichlet concentration, > 0.
-        min_samples: guaranteed size of every client.
-
-    Returns:
-        `num_clients` sorted int64 index arrays covering `range(N)`.
-
-    Examples:
         >>> import numpy as np
         >>> parts = quantity(np.zeros(100, dtype=np.int64), num_clients=4, seed=0, alpha=0.5)
         >>> sum(len(p) for p in parts), min(len(p) for p in parts) >= 1
         (100, True)
     """
     labels = _check_common(labels, num_clients)
-    alpha = _check_alpha(alpha)
-    if int(min_samples) != min_samples or min_samples < 0:
-        raise ConfigError(f"data.partition.min_samples: {min_samples} must be an integer >= 0")
     n = len(labels)
-    if num_clients * min_samples > n:
-        raise UserError(
-            f"data.partition.min_samples: {num_clients} clients x {min_samples} samples exceeds the "
-            f"{n} samples; lower min_samples or use fewer clients"
-        )
+    alpha = _check_alpha(alpha, min_samples, num_clients, n)
     rng = np.random.default_rng(seed)
     rest = n - num_clients * min_samples
     edges = (np.cumsum(rng.dirichlet(np.full(num_clients, alpha)))[:-1] * rest).astype(np.int64)

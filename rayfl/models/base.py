@@ -19,13 +19,7 @@ MODELS: Registry[Any] = Registry("model", group="rayfl.models")
 
 
 class SplitModel(nn.Module):
-    """`forward(x) = head(features(x))` with `features(x)` of size `feature_dim`.
-
-    Args:
-        encoder: maps a batch of inputs to a `(batch, feature_dim)` tensor.
-        head: maps features to logits.
-        feature_dim: size of the representation between the two.
-    """
+    """`forward(x) = head(encoder(x))`; the encoder's output has `feature_dim` features."""
 
     def __init__(self, encoder: nn.Module, head: nn.Module, feature_dim: int) -> None:
         super().__init__()
@@ -41,17 +35,11 @@ class SplitModel(nn.Module):
 
 
 def place(module: nn.Module, device: torch.device) -> nn.Module:
-    """Move `module` to `device`, in the memory layout fastest there: on a CPU its 4-d weights
-    (convolutions) go channels-last, and so do the activations they produce. oneDNN's NHWC
-    convolutions and PyTorch's vectorized channels-last max-pool train and score small CNNs
-    markedly faster than NCHW on a CPU, where NCHW's max-pool dominates the forward pass. The
-    layout changes the order of the convolutions' sums, so results differ from NCHW in float rounding only
-    (one SGD step agrees within 1e-6). GPUs keep their default layout.
-
-    Only models whose convolutions all have channel counts that are multiples of 8 (after the
-    input's) go channels-last: oneDNN's channels-last convolutions corrupted the heap while
-    training width-sliced ResNets with 6, 13 or 51 channels (torch 2.14 on an AVX2-only CPU;
-    NCHW trains them correctly), and 8 is the block width its AVX2 kernels use."""
+    """Move `module` to `device` in the layout fastest there: on a CPU, channels-last (oneDNN's
+    NHWC convolutions and the vectorized channels-last max-pool train small CNNs markedly
+    faster; results differ from NCHW in float rounding only). Only when every convolution's
+    channels are multiples of 8 (AVX2's block width): oneDNN's channels-last kernels corrupt
+    the heap on odd widths (width-sliced ResNets of 6, 13 or 51 channels). GPUs keep theirs."""
     if torch.device(device).type == "cpu" and _blocked_channels(module):
         return module.to(device).to(memory_format=torch.channels_last)
     return module.to(device)

@@ -1,17 +1,9 @@
 """Model families: named heterogeneity settings (which architectures clients get).
 
-A `Family` is an ordered tuple of architecture names from `MODELS`; `assign` maps client ids
-to architectures, round-robin (pFedES's official `k % 5`) or in contiguous blocks of given
-proportions. Registered families:
-
-* `seed3`: `cnn_small`, `resnet_small`, `mlp` (the pFedES design document's three groups).
-* `cnn5`: `cnn1`..`cnn5` (pFedES's official code).
-* `resnet_widths`: `resnet18_w1`..`resnet18_w10` (HeteroFL / FedFD complexity levels).
-* `homo_cnn_small`: only `cnn_small` (homogeneous, for FedAvg-style baselines).
-* `tiny2`: `tiny_a`, `tiny_b` (two very small heterogeneous models for tests).
-
-A config may instead list architectures explicitly (`model.architectures`), see
-`family_from_config`.
+A `Family` is an ordered tuple of architecture names from `MODELS` (the built-ins are
+registered at the end, `rayfl ls families` lists them); `assign` maps client ids to them,
+round-robin (pFedES's official `k % 5`) or in contiguous blocks of given proportions. A config
+may instead list architectures (`model.architectures`).
 """
 
 from __future__ import annotations
@@ -39,13 +31,8 @@ def _feature_dim(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
 
 @dataclass(frozen=True)
 class Family:
-    """An ordered set of client architectures.
-
-    Args:
-        name: the family's name (`custom` for an explicit list from the config).
-        architectures: names registered in `MODELS`; repeats are allowed and count as
-            separate slots in round-robin assignment.
-    """
+    """Ordered client architectures (a repeat is another round-robin slot); `custom` is the
+    name of a config's explicit list."""
 
     name: str
     architectures: tuple[str, ...]
@@ -55,22 +42,12 @@ class Family:
             raise ConfigError(f"model family {self.name!r} has no architectures; list at least one")
 
     def assign(self, num_clients: int, proportions: Sequence[float] | None = None) -> list[str]:
-        """Architecture of each client id `0..num_clients-1`.
+        """Architecture of each client id: client k gets `architectures[k % m]`, or, with
+        `proportions` (one per architecture, > 0, summing to 1), contiguous blocks of
+        `proportions * num_clients` clients by largest remainder (ties to the earlier).
 
-        Without `proportions`, client k gets `architectures[k % m]`. With `proportions` (one
-        per architecture, each > 0, summing to 1), clients are split into contiguous blocks
-        whose sizes are `proportions * num_clients` rounded by the largest-remainder method
-        (ties go to the earlier architecture), so the sizes always sum to `num_clients`.
-
-        Examples:
-            >>> Family("f", ("a", "b")).assign(3)
-            ['a', 'b', 'a']
-            >>> Family("f", ("a", "b", "c")).assign(7, [0.5, 0.3, 0.2])
-            ['a', 'a', 'a', 'a', 'b', 'b', 'c']
-
-        Raises:
-            ConfigError: `num_clients < 1`, or `proportions` of the wrong length, with a
-                non-positive entry, or not summing to 1 (message names `model.proportions`).
+        >>> Family("f", ("a", "b", "c")).assign(7, [0.5, 0.3, 0.2])
+        ['a', 'a', 'a', 'a', 'b', 'b', 'c']
         """
         if num_clients < 1:
             raise ConfigError(f"number of clients is {num_clients}; it must be >= 1")
@@ -103,7 +80,6 @@ class Family:
 
     @property
     def homogeneous(self) -> bool:
-        """True when every client gets the same architecture."""
         return len(set(self.architectures)) == 1
 
     def feature_dims(self, in_shape: Sequence[int], num_classes: int) -> dict[str, int]:
@@ -136,17 +112,8 @@ def get_family(name: str) -> Family:
 
 
 def family_from_config(name: str, architectures: Sequence[str] | None = None) -> Family:
-    """The family a config asks for.
-
-    Args:
-        name: a registered family (`model.family`); used when `architectures` is None.
-        architectures: an explicit list of model names (`model.architectures`); when given,
-            an ad-hoc family named `custom` is built from it and `name` is ignored.
-
-    Raises:
-        ConfigError: an unknown family or model name, an empty list, or a model that is not
-            a classifier (e.g. `proxy_input`).
-    """
+    """The family a config asks for: registered `name`, or `custom` from an explicit list of
+    classifiers (`model.architectures`, then `name` is ignored)."""
     if architectures is None:
         return get_family(name)
     archs = tuple(architectures)

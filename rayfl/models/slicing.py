@@ -37,19 +37,8 @@ def state_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Size]:
 def slice_state(
     global_state: Mapping[str, torch.Tensor], sub_state_shapes: Mapping[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
-    """Cut the sub-model's state out of the global state (HeteroFL's "first channels" rule).
-
-    Args:
-        global_state: the full-width model's state dict.
-        sub_state_shapes: shape of every entry of the sub-model's state dict, e.g.
-            `state_shapes(sub_model.state_dict())`.
-
-    Returns:
-        For every key of `sub_state_shapes`, a fresh copy of `global[key][:s0, :s1, ...]`.
-
-    Raises:
-        ValueError: a key missing from the global state, or a shape that does not fit.
-    """
+    """A fresh copy of `global[key][:s0, :s1, ...]` for every key of the sub-model's shapes
+    (`state_shapes(sub_model.state_dict())`): HeteroFL's "first channels" rule."""
     out: dict[str, torch.Tensor] = {}
     for key, shape in sub_state_shapes.items():
         if key not in global_state:
@@ -70,25 +59,13 @@ def aggregate_sliced(
     Every entry of every floating-point tensor becomes the weighted mean of the clients whose
     slice covers it; entries no client covers (or only clients of weight 0) keep the global
     value, and so do non-float buffers such as BatchNorm's `num_batches_tracked`. Sums run in
-    float64 so that averaging identical values returns them bit for bit.
+    float64 so that averaging identical values returns them bit for bit. `global_state` is
+    not modified; `weights` (one per client, e.g. its sample count) are finite and >= 0.
 
-    Args:
-        global_state: the current global state dict (not modified).
-        sub_states: each client's state dict, every entry a leading slice of the global one.
-        weights: one non-negative weight per client (e.g. its sample count).
-
-    Returns:
-        A new state dict with the global keys, dtypes and shapes.
-
-    Example:
-        >>> g = {"w": torch.tensor([1.0, 2.0, 3.0, 4.0])}
-        >>> a, b = {"w": torch.tensor([10.0, 20.0])}, {"w": torch.tensor([30.0, 40.0, 50.0, 60.0])}
-        >>> aggregate_sliced(g, [a, b], [1.0, 3.0])["w"]
-        tensor([25., 35., 50., 60.])
-
-    Raises:
-        ValueError: mismatched lengths, a negative or non-finite weight, an entry missing
-            from the global state, or a slice that does not fit.
+    >>> g = {"w": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    >>> a, b = {"w": torch.tensor([10.0, 20.0])}, {"w": torch.tensor([30.0, 40.0, 50.0, 60.0])}
+    >>> aggregate_sliced(g, [a, b], [1.0, 3.0])["w"]
+    tensor([25., 35., 50., 60.])
     """
     if len(sub_states) != len(weights):
         raise ValueError(f"{len(sub_states)} sub-states but {len(weights)} weights")

@@ -81,6 +81,14 @@ def _flat_size(module: nn.Module, in_shape: tuple[int, ...]) -> int:
     return int(out[0].numel())
 
 
+def _two_convs(channels: int) -> list[nn.Module]:
+    """Two conv blocks: 32 then 64 channels, 3x3 padding 1, ReLU, 2x2 max-pool."""
+    return [
+        *(nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)),
+        *(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)),
+    ]
+
+
 # -- family seed3: the pFedES design document's three groups (feature_dim 128) ---------------------
 _SEED3_FEATURES = 128
 
@@ -90,15 +98,7 @@ def cnn_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     """Two conv layers (32, 64 channels, 3x3, ReLU, 2x2 max-pool), then linear to 128."""
     shape = _image_shape("cnn_small", in_shape, num_classes)
     _require_min_side("cnn_small", shape, 4)
-    trunk = nn.Sequential(
-        nn.Conv2d(shape[0], 32, 3, padding=1),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-    )
+    trunk = nn.Sequential(*_two_convs(shape[0]), nn.Flatten())
     flat = _flat_size(trunk, shape)
     encoder = nn.Sequential(*trunk, nn.Linear(flat, _SEED3_FEATURES), nn.ReLU(inplace=True))
     return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
@@ -210,16 +210,7 @@ class ProxyExtractor(nn.Module):
         trunk: nn.Module
         if len(shape) == 3:
             _require_min_side("proxy_kd", (shape[0], shape[1], shape[2]), 4)
-            trunk = nn.Sequential(
-                nn.Conv2d(shape[0], 32, 3, padding=1),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-                nn.Conv2d(32, 64, 3, padding=1),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-                nn.AdaptiveAvgPool2d(1),
-                nn.Flatten(),
-            )
+            trunk = nn.Sequential(*_two_convs(shape[0]), nn.AdaptiveAvgPool2d(1), nn.Flatten())
         else:
             # Mirrors the conv trunk: it too ends in a non-negative 64-vector.
             trunk = nn.Sequential(
