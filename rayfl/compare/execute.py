@@ -19,6 +19,7 @@ from rayfl.compare.results import (
     _final_row,
     aggregate,
     curves_and_spread,
+    failed_row,
     format_results,
     mean_col,
 )
@@ -110,10 +111,7 @@ def execute_run(
         raise
     except Exception as exc:
         log.warning("suite run %s failed: %s", run_dir, exc)
-        failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
-        row = _final_row(run, failed, time.perf_counter() - start, run_dir)
-        row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-        return row, []
+        return failed_row(run, run_dir, exc, time.perf_counter() - start), []
     row = _final_row(run, result, time.perf_counter() - start, run_dir)
     if result.status == "FINISHED" and not keep_checkpoints:
         remove_checkpoints(run_dir)
@@ -155,10 +153,7 @@ def _execute(
         if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
         else:  # the trial itself died (not the run's own error)
-            failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
-            row = _final_row(run, failed, 0.0, run_dir)
-            row["error"] = f"{type(got).__name__}: {str(got).splitlines()[0][:500]}"
-            done(index, row, [])
+            done(index, failed_row(run, run_dir, got), [])
     if stopped:
         raise KeyboardInterrupt
 
