@@ -27,10 +27,10 @@ from rayfl.compare.suite import Suite, SuiteRun, load_suite
 from rayfl.engine.rundir import read_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.schema import RunConfig
-from rayfl.tables import read_table, write_table
+from rayfl.tables import write_table
 from rayfl.tune.grid import Stopped, run_grid
 from rayfl.tune.run import ParentRun
-from rayfl.tune.trial import continue_run
+from rayfl.tune.trial import continue_run, finished
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,10 @@ def finished_row(
 ) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
     it), or None."""
-    from rayfl.engine.rundir import read_summary
-
-    summary = read_summary(run_dir)
-    if summary.get("status") != "FINISHED":
+    got = finished(run_dir)
+    if got is None:
         return None
-    history = read_table(run_dir / "metrics.parquet")
+    summary, history = got
     ref = read_mlflow_run(run_dir)
     result = SimpleNamespace(
         final=summary.get("final", {}),
