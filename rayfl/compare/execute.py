@@ -286,9 +286,10 @@ def _run_locked(
     from rayfl.engine.startup import init_ray
 
     e = suite.runs[0].config.engine
-    started_ray = bool(todo) and init_ray(e.address, e.ray_num_cpus)
+    started_ray = False
     try:
-        if todo:
+        if todo:  # a Ray that cannot start ends the parent run FAILED, not RUNNING
+            started_ray = init_ray(e.address, e.ray_num_cpus)
             _execute(suite, todo, parent_id, keep_checkpoints, done)
     except BaseException as exc:
         parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
