@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from rayfl.compare import aggregate, load_suite, mean_curves, run_suite
 from rayfl.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
+FAULTS = Path(__file__).with_name("suite_faults.py")  # the fault-injecting test plugin
 
 BASE = {
     "data": {
@@ -43,6 +47,20 @@ def write_suite(tmp_path: Path, **extra) -> Path:
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite))
     return path
+
+
+def compare_cli(path: Path, out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`rayfl compare path args --out out` in a subprocess with the fault plugin
+    (`tests/suite_faults.py`) driven by `env`: its Ray and trials inherit the faults."""
+    command = ["compare", str(path), *args, "--out", str(out), "--plugin", str(FAULTS)]
+    return subprocess.run(
+        [sys.executable, "-m", "rayfl.cli", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+    )
 
 
 def test_load_suite_builds_every_run(tmp_path):

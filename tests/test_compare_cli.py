@@ -9,10 +9,9 @@ import json
 import pytest
 
 import rayfl.compare
-import rayfl.launch
 from rayfl.cli import main
-from rayfl.compare import SuiteInterrupted, run_suite
-from tests.test_compare import write_suite
+from rayfl.compare import SuiteInterrupted
+from tests.test_compare import compare_cli, write_suite
 
 pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
 
@@ -48,19 +47,9 @@ def partial_suite(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("partial")
     path = write_suite(tmp, settings=[{"name": "a05", "overrides": {}}])
     out = tmp / "out"
-    real = rayfl.launch.simulate
-    calls = []
-
-    def third_interrupted(cfg, run_dir, **kw):
-        calls.append(cfg.tracking.run_name)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(cfg, run_dir, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rayfl.launch, "simulate", third_interrupted)
-        with pytest.raises(SuiteInterrupted):
-            run_suite(path, ["engine.rounds=1"], out=out, progress=False)
+    # Ctrl-C at the end of the third run's first round
+    got = compare_cli(path, out, "engine.rounds=2", SUITE_FAULTS_SIGINT="a05-proto-s0:1")
+    assert got.returncode == 130, got.stderr[-2000:]
     return out
 
 

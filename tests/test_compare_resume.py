@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import rayfl.launch
-from rayfl.compare import SuiteInterrupted, run_suite
-from tests.interrupts import InterruptAfterRound
-from tests.test_compare import write_suite
+from tests.test_compare import compare_cli, write_suite
 
 pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
 
@@ -29,7 +26,7 @@ def suite_runs(uri):
 
 @pytest.mark.parametrize("checkpoint_every", [1, 0])
 def test_interrupted_suite_resumes_into_one_parent_with_every_child_finished(
-    tmp_path, monkeypatch, checkpoint_every
+    tmp_path, checkpoint_every
 ):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     path = write_suite(tmp_path)
@@ -39,19 +36,9 @@ def test_interrupted_suite_resumes_into_one_parent_with_every_child_finished(
         f"engine.checkpoint_every={checkpoint_every}",
     ]
     out = tmp_path / "out"
-    real = rayfl.launch.simulate
-    interrupt = {"proto-s0"}
-
-    def ctrl_c_in(cfg, run_dir, **kw):
-        if cfg.tracking.run_name in interrupt:
-            interrupt.discard(cfg.tracking.run_name)
-            kw["extra_callbacks"] = [InterruptAfterRound(1)]
-        return real(cfg, run_dir, **kw)
-
-    monkeypatch.setattr(rayfl.launch, "simulate", ctrl_c_in)
-    with pytest.raises(SuiteInterrupted) as caught:
-        run_suite(path, over, out=out, progress=False)
-    assert caught.value.out_dir == out
+    got = compare_cli(path, out, *over, SUITE_FAULTS_SIGINT="proto-s0:1")  # Ctrl-C in round 1
+    assert got.returncode == 130, got.stderr[-2000:]
+    assert f"resume with: rayfl compare {path}" in got.stderr and f"--out {out}" in got.stderr
     parents, children = suite_runs(uri)
     assert len(parents) == 1 and parents[0].info.status == "KILLED"
     first = {r.info.run_name: r for r in children}
@@ -59,7 +46,8 @@ def test_interrupted_suite_resumes_into_one_parent_with_every_child_finished(
     assert first["proto-s0"].info.status == "KILLED"
     assert {first[n].info.status for n in ("local-s0", "local-s1")} == {"FINISHED"}
 
-    run_suite(path, over, out=out, progress=False)
+    got = compare_cli(path, out, *over)
+    assert got.returncode == 0, got.stderr[-2000:]
     parents, children = suite_runs(uri)
     assert (
         len(parents) == 1

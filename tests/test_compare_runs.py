@@ -9,10 +9,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-import rayfl.launch
 from rayfl import gate
 from rayfl.compare import run_suite
-from tests.test_compare import write_suite
+from tests.test_compare import compare_cli, write_suite
 
 pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
 
@@ -21,21 +20,14 @@ def rows_of(out):
     return {r["label"]: r for r in pq.read_table(out / "runs.parquet").to_pylist()}
 
 
-def test_failed_run_is_recorded_and_a_rerun_resumes(tmp_path, monkeypatch):
+def test_failed_run_is_recorded_and_a_rerun_resumes(tmp_path):
     path = write_suite(tmp_path, seeds=[0])
     out = tmp_path / "out"
     over = ["engine.checkpoint_every=1"]
-    real = rayfl.launch.simulate
-    calls = []
-
-    def flaky(cfg, run_dir, **kw):
-        calls.append(cfg.tracking.run_name)
-        if cfg.algorithm.name == "fedproto" and len(calls) < 3:
-            raise RuntimeError("worker ran out of memory")
-        return real(cfg, run_dir, **kw)
-
-    monkeypatch.setattr(rayfl.launch, "simulate", flaky)
-    table = run_suite(path, over, out=out, progress=False)
+    calls = tmp_path / "calls.txt"
+    got = compare_cli(path, out, *over, SUITE_FAULTS_FAIL="proto-s0", SUITE_FAULTS_CALLS=str(calls))
+    assert got.returncode == 0, got.stderr[-2000:]
+    table = got.stdout
     rows = rows_of(out)
     assert rows["local"]["status"] == "FINISHED" and rows["proto"]["status"] == "FAILED"
     assert "RuntimeError: worker ran out of memory" in rows["proto"]["error"]
@@ -43,12 +35,14 @@ def test_failed_run_is_recorded_and_a_rerun_resumes(tmp_path, monkeypatch):
     assert "±" not in table  # one seed: plain values
     assert not list((out / "local" / "seed0").glob("checkpoint*"))  # removed once finished
 
-    table = run_suite(path, over, out=out, progress=False, keep_checkpoints=True)
-    assert calls == ["local-s0", "proto-s0", "proto-s0"]  # the finished run was skipped
-    rows = rows_of(out)
-    assert rows["proto"]["status"] == "FINISHED" and rows["local"]["status"] == "FINISHED"
+    got = compare_cli(path, out, *over, "--keep-checkpoints", SUITE_FAULTS_CALLS=str(calls))
+    assert got.returncode == 0, got.stderr[-2000:]
+    # the finished run was skipped
+    assert calls.read_text().split() == ["local-s0", "proto-s0", "proto-s0"]
+    again = rows_of(out)
+    assert again["proto"]["status"] == "FINISHED" and again["local"]["status"] == "FINISHED"
     assert (out / "proto" / "seed0" / "checkpoint").exists()  # --keep-checkpoints
-    assert "FAILED" not in table
+    assert "FAILED" not in got.stdout
 
 
 def test_unfinished_run_resumes_from_its_checkpoint(tmp_path):

@@ -1,6 +1,5 @@
-"""Running a suite: each run (or its resume) in its run directory, one after another in this
-process or `parallel` at a time as a Ray Tune grid, under one MLflow parent run; then the tables,
-curves and artifacts."""
+"""Running a suite: each run (or its resume) in its run directory, `parallel` at a time as a Ray
+Tune grid, under one MLflow parent run; then the tables, curves and artifacts."""
 
 from __future__ import annotations
 
@@ -20,17 +19,18 @@ from rayfl.compare.results import (
     _final_row,
     aggregate,
     curves_and_spread,
+    failed_row,
     format_results,
     mean_col,
 )
-from rayfl.compare.suite import Suite, SuiteRun, load_suite, run_name
+from rayfl.compare.suite import Suite, SuiteRun, load_suite
 from rayfl.engine.rundir import read_mlflow_run
 from rayfl.errors import ConfigError, UserError
 from rayfl.schema import RunConfig
-from rayfl.tables import read_table, write_table
+from rayfl.tables import write_table
 from rayfl.tune.grid import Stopped, run_grid
 from rayfl.tune.run import ParentRun
-from rayfl.tune.trial import continue_run
+from rayfl.tune.trial import continue_run, finished
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +60,6 @@ def preflight(suite: Suite) -> None:
             )
 
 
-def _suite_ray(suite: Suite) -> bool:
-    """Join or start the suite's Ray: parallel runs are Tune trials whatever their executor;
-    one after another, one Ray for every `engine.executor=ray` run when they all want the same
-    one (instead of a start per run). True when this call started it."""
-    from rayfl.engine.startup import init_ray
-
-    runs = [r for r in suite.runs if suite.parallel > 1 or r.config.engine.executor == "ray"]
-    keys = {(r.config.engine.address, r.config.engine.ray_num_cpus) for r in runs}
-    if not runs or (suite.parallel == 1 and len(keys) != 1):
-        return False
-    e = runs[0].config.engine
-    return bool(init_ray(e.address, e.ray_num_cpus))
-
-
 def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
     """Where a suite run lives, `[setting/]label/seedN` under `out_dir`; with `create`, made
     through the gate (a link on the way is refused, never followed)."""
@@ -89,12 +75,10 @@ def finished_row(
 ) -> tuple[dict[str, Any], list[dict[str, float]]] | None:
     """The row and history of a run that already FINISHED in `run_dir` (a resumed suite skips
     it), or None."""
-    from rayfl.engine.rundir import read_summary
-
-    summary = read_summary(run_dir)
-    if summary.get("status") != "FINISHED":
+    got = finished(run_dir)
+    if got is None:
         return None
-    history = read_table(run_dir / "metrics.parquet")
+    summary, history = got
     ref = read_mlflow_run(run_dir)
     result = SimpleNamespace(
         final=summary.get("final", {}),
@@ -125,17 +109,14 @@ def execute_run(
         raise
     except Exception as exc:
         log.warning("suite run %s failed: %s", run_dir, exc)
-        failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
-        row = _final_row(run, failed, time.perf_counter() - start, run_dir)
-        row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-        return row, []
+        return failed_row(run, run_dir, exc, time.perf_counter() - start), []
     row = _final_row(run, result, time.perf_counter() - start, run_dir)
     if result.status == "FINISHED" and not keep_checkpoints:
         remove_checkpoints(run_dir)
     return row, result.history
 
 
-def _execute_parallel(
+def _execute(
     suite: Suite,
     todo: list[tuple[int, SuiteRun, Path]],
     parent_id: str | None,
@@ -143,7 +124,8 @@ def _execute_parallel(
     done: Any,
 ) -> None:
     """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
-    `done(index, row, history)` as each run ends."""
+    `done(index, row, history)` as each run ends. Raises KeyboardInterrupt when Ctrl-C stopped
+    a run before it ended."""
     runs = {index: run for index, run, _ in todo}
     places = {index: run_dir for index, _, run_dir in todo}
 
@@ -169,10 +151,7 @@ def _execute_parallel(
         if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
         else:  # the trial itself died (not the run's own error)
-            failed = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
-            row = _final_row(run, failed, 0.0, run_dir)
-            row["error"] = f"{type(got).__name__}: {str(got).splitlines()[0][:500]}"
-            done(index, row, [])
+            done(index, failed_row(run, run_dir, got), [])
     if stopped:
         raise KeyboardInterrupt
 
@@ -203,7 +182,9 @@ def run_suite(
 ) -> str:
     """Run every run of a suite and write the side-by-side results.
 
-    Runs go `parallel` at a time (suite key or `parallel=N` override; default one after another).
+    Runs go `parallel` at a time as Ray Tune trials (suite key or `parallel=N` override; default
+    one after another). Joins the Ray already initialized, else `engine.address` of the first
+    run, else starts a private local Ray (shut down at the end).
     Rerunning the same command on the same `out` resumes: runs whose directory holds a FINISHED
     `summary.json` are skipped, unfinished ones continue from their checkpoints, each in its own
     MLflow run, and all under the parent run of the first attempt (its id is kept in
@@ -302,14 +283,14 @@ def _run_locked(
         write_table([s[0] for s in slots if s is not None], out_dir / "runs", csv=True)
         bar.update(1)
 
-    started_ray = _suite_ray(suite)
+    from rayfl.engine.startup import init_ray
+
+    e = suite.runs[0].config.engine
+    started_ray = False
     try:
-        if suite.parallel > 1 and todo:
-            _execute_parallel(suite, todo, parent_id, keep_checkpoints, done)
-        else:
-            for index, run, run_dir in todo:
-                bar.set_postfix_str(run_name(run.setting, run.label, run.seed))
-                done(index, *execute_run(run, run_dir, parent_id, keep_checkpoints))
+        if todo:  # a Ray that cannot start ends the parent run FAILED, not RUNNING
+            started_ray = init_ray(e.address, e.ray_num_cpus)
+            _execute(suite, todo, parent_id, keep_checkpoints, done)
     except BaseException as exc:
         parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise

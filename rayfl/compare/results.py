@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,15 @@ def _final_row(run: SuiteRun, result: Any, wall_s: float, run_dir: Path) -> dict
     row["comm/mb_per_round"] = up + down
     row["time/wall_s"] = wall_s
     return row
+
+
+def failed_row(
+    run: SuiteRun, run_dir: Path, exc: BaseException, wall_s: float = 0.0
+) -> dict[str, Any]:
+    """The row of a run that failed (or whose trial died): FAILED, with the error's first line."""
+    empty = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
+    error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    return {**_final_row(run, empty, wall_s, run_dir), "error": error}
 
 
 ID_COLUMNS = (

@@ -331,55 +331,53 @@ class MlflowTracker(TrackerBase):
         self._send("close", lambda: self.client.set_terminated(self._run, status=status))
 
 
-def mark_killed(run_id: str, tracking_uri: str | None = None) -> bool:
-    """Set MLflow run ``run_id`` to KILLED if it is still RUNNING; True when it was.
-
-    Used for run directories whose driver was killed (``rayfl ls-runs``); an unreachable store or
-    an unknown run is logged and ignored.
-    """
+def _quietly(what: str, tracking_uri: str | None, call: Callable[[Any], Any]) -> Any:
+    """``call(client)`` on the store at ``tracking_uri``; None (and a warning naming ``what``)
+    when the store cannot be reached or the run is unknown: these are housekeeping."""
     uri = tracking_uri or default_tracking_uri()
     try:
-        client = client_for(uri)
+        return call(client_for(uri))
+    except Exception as exc:
+        logger.warning("could not %s at %s: %s", what, uri, exc)
+        return None
+
+
+def mark_killed(run_id: str, tracking_uri: str | None = None) -> bool:
+    """Set MLflow run ``run_id`` to KILLED if it is still RUNNING; True when it was. Used for
+    run directories whose driver was killed (``rayfl ls-runs``)."""
+
+    def kill(client: Any) -> bool:
         if client.get_run(run_id).info.status != "RUNNING":
             return False
         client.set_terminated(run_id, status="KILLED")
-    except Exception as exc:
-        logger.warning("could not mark MLflow run %s KILLED at %s: %s", run_id, uri, exc)
-        return False
-    return True
+        return True
+
+    return bool(_quietly(f"mark MLflow run {run_id} KILLED", tracking_uri, kill))
 
 
 def end_child_runs(
     parent_run_id: str, tracking_uri: str | None = None, status: str = "KILLED"
 ) -> int:
     """End the child runs of `parent_run_id` still RUNNING with `status`; returns how many.
-
-    A sweep's trials that Tune stopped early (ASHA) or lost never close their own run. An
-    unreachable store is logged and ignored (the sweep's results are on disk too).
-    """
+    A sweep's trials that Tune stopped early (ASHA) or lost never close their own run."""
     status = check_status(status)
-    uri = tracking_uri or default_tracking_uri()
-    try:
-        client = client_for(uri)
+
+    def end(client: Any) -> int:
         runs = client.search_runs(
             [client.get_run(parent_run_id).info.experiment_id],
             filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'",
         )
         for run in runs:
             client.set_terminated(run.info.run_id, status)
-    except Exception as exc:
-        logger.warning("could not end the child runs of MLflow run %s: %s", parent_run_id, exc)
-        return 0
-    return len(runs)
+        return len(runs)
+
+    return int(
+        _quietly(f"end the child runs of MLflow run {parent_run_id}", tracking_uri, end) or 0
+    )
 
 
 def delete_run(run_id: str, tracking_uri: str | None = None) -> bool:
-    """Soft-delete MLflow run ``run_id`` (a suite run restarting from round 1 replaces its partial
-    run); True when deleted, an unreachable store or unknown run is logged and ignored."""
-    uri = tracking_uri or default_tracking_uri()
-    try:
-        client_for(uri).delete_run(run_id)
-    except Exception as exc:
-        logger.warning("could not delete the partial MLflow run %s at %s: %s", run_id, uri, exc)
-        return False
-    return True
+    """Soft-delete MLflow run ``run_id`` (a suite run restarting from round 1 replaces its
+    partial run); True when deleted."""
+    what = f"delete the partial MLflow run {run_id}"
+    return _quietly(what, tracking_uri, lambda client: client.delete_run(run_id) or True) is True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -52,7 +53,9 @@ def run_grid(
     from ray import tune
 
     total = ray.cluster_resources()
+    # a run's share of the cluster, less its own process's bundle (its workers fill the rest)
     room = {k: total.get(k, 0.0) / parallel for k in ("CPU", "GPU")}
+    room["CPU"] -= DRIVER_CPUS
     jobs: dict[int, RunConfig] = {}
     bundles: dict[int, list[dict[str, float]]] = {}
     for index, cfg in configs.items():
@@ -62,6 +65,11 @@ def run_grid(
         jobs[index] = pinned(cfg)
         bundles[index] = trial_bundles(cfg, DRIVER_CPUS, room)
     storage = tempfile.mkdtemp(prefix="rayfl-grid-")
+    # Tune's own notes (a Ctrl-C's "resume with Tuner.restore(...)") name this temporary
+    # folder: the runs resume from their own folders instead
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    tune_log.setLevel(logging.ERROR)
     try:
         grid: Any = tune.Tuner(
             tune.with_resources(
@@ -75,6 +83,7 @@ def run_grid(
             ),
         ).fit()
     finally:
+        tune_log.setLevel(level)
         shutil.rmtree(storage, ignore_errors=True)
     out: dict[int, dict[str, Any] | BaseException | None] = {}
     for result in grid:

@@ -201,18 +201,26 @@ def continue_run(
     )
 
 
-def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None]) -> bool:
-    """Report the evaluated rounds of a run that already FINISHED in `run_dir` (it finished
-    after the state a sweep was restored from); False when it did not finish."""
+def finished(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The summary and per-round history of a run that FINISHED in `run_dir` (a suite's
+    rerun skips it, a restored sweep replays it), else None."""
     from rayfl.engine.rundir import read_summary
     from rayfl.tables import read_table
 
-    if read_summary(run_dir).get("status") != "FINISHED":
-        return False
-    for row in read_table(run_dir / "metrics.parquet"):
+    summary = read_summary(run_dir)
+    if summary.get("status") != "FINISHED":
+        return None
+    return summary, read_table(run_dir / "metrics.parquet")
+
+
+def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None]) -> bool:
+    """Report the evaluated rounds of a run that already FINISHED in `run_dir` (it finished
+    after the state a sweep was restored from); False when it did not finish."""
+    got = finished(run_dir)
+    for row in got[1] if got else []:
         if row.get(metric) is not None:
             report({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
-    return True
+    return got is not None
 
 
 def _trial_name(trial: Any) -> str:
