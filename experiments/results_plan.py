@@ -231,8 +231,13 @@ def status(tables: Sequence[Table], jobs: int) -> list[str]:
     return lines
 
 
-def run(tables: Sequence[Table], jobs: int, hours: float) -> int:
-    todo = [(t, p) for t in tables for p in t.parts() if not t.result(p).is_file()]
+def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = ()) -> int:
+    todo = [
+        (t, p)
+        for t in tables
+        for p in t.parts()
+        if not t.result(p).is_file() and (not only or p in only)
+    ]
     budget, lock, code = hours * 3600 * jobs, threading.Lock(), commit()
 
     def log(msg: str) -> None:
@@ -261,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("tables", nargs="*", help="table names, run in this order (default: all)")
     ap.add_argument("--jobs", type=int, default=2, help="parts at a time (one core each)")
     ap.add_argument("--hours", type=float, default=2.0, help="wall-clock budget for `run`")
+    ap.add_argument("--parts", nargs="+", help="only these parts (e.g. dir0.1-s2) of the tables")
     args = ap.parse_args(argv)
     tables = load_plan()
     unknown = set(args.tables) - {t.name for t in tables}
@@ -271,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "status":
         print("\n".join(status(chosen, args.jobs)))
         return 0
-    return run(chosen, args.jobs, args.hours)
+    return run(chosen, args.jobs, args.hours, args.parts or ())
 
 
 if __name__ == "__main__":
