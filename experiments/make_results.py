@@ -13,19 +13,10 @@ Sources, each a small file in docs/results/:
           --set "command=rayfl run experiments/pfedes_fmnist.yaml seed=S --out runs/main_sS" \
           --set "commit=$(git rev-parse --short HEAD)"
 
-- `devices_fmnist.json`: the device-tier suite (`experiments/suites/devices_fmnist.yaml`), each
-  run's accuracy against its simulated time and who took part per architecture:
+- `plan/<table>/<part>.json`: the tables of `experiments/results_plan.yaml`, one file per
+  finished part (one setting and seed), written by `python3 experiments/results_plan.py run`;
+- `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies.
 
-      python3 experiments/make_results.py --devices runs/devices --set "command=..." \
-          --set "commit=$(git rev-parse --short HEAD)"
-
-- `feature_shift_fmnist.json`: the feature-shift suite (`experiments/suites/feature_shift_fmnist.yaml`),
-  each finished run's final accuracy overall, per domain and in its worst domain:
-
-      python3 experiments/make_results.py --feature-shift runs/fs --set "command=..." \
-          --set "commit=$(git rev-parse --short HEAD)"
-
-- `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies;
 Every table shows mean ± sample std over seeds and, where a suite compares methods, the paired
 difference (per seed, same partition) to the best baseline. Nothing here reads a clock: the same
 files give the same page, which `tests/test_results_doc.py` checks.
@@ -178,39 +169,6 @@ def headline_section(data: Mapping[str, Any]) -> list[str]:
     return out + md_table(header, body)
 
 
-DEVICES = RESULTS / "devices_fmnist.json"
-DEVICE_KEYS = (
-    "round",
-    "time/virtual_s",
-    "personal/acc",
-    "devices/participants",
-    "devices/stragglers",
-)
-
-
-def collect_devices(out_dir: Path, description: Mapping[str, Any]) -> dict[str, Any]:
-    """The device-tier suite's runs in `out_dir`: per run its rounds' simulated time, accuracy
-    and participants (also per architecture)."""
-    from rayfl.compare import load_suite, run_dir_of
-
-    suite = load_suite(ROOT / "experiments" / "suites" / "devices_fmnist.yaml")
-    runs = []
-    for run in suite.runs:
-        history = read_history(run_dir_of(out_dir, run))
-        if not history:
-            continue
-        keep = [
-            {
-                k: h[k]
-                for k in h
-                if (k in DEVICE_KEYS or "participants/arch=" in k) and h[k] is not None
-            }
-            for h in history
-        ]
-        runs.append({"setting": run.setting, "label": run.label, "seed": run.seed, "rounds": keep})
-    return {**description, "runs": runs}
-
-
 def devices_section(data: Mapping[str, Any]) -> list[str]:
     """Accuracy against simulated time, with and without the deadline, and who took part."""
     runs = data.get("runs", [])
@@ -263,73 +221,6 @@ def devices_section(data: Mapping[str, Any]) -> list[str]:
     return out + md_table(["setting", "method", "simulated s : accuracy, per round"], body)
 
 
-FEATURE_SHIFT = RESULTS / "feature_shift_fmnist.json"
-DOMAIN_KEY = "personal/acc/domain="
-
-
-def collect_domains(out_dir: Path, description: Mapping[str, Any]) -> dict[str, Any]:
-    """The feature-shift suite's finished runs in `out_dir`: each run's final accuracy overall,
-    in its worst domain and per domain."""
-    from rayfl.compare import load_suite, run_dir_of
-
-    suite = load_suite(ROOT / "experiments" / "suites" / "feature_shift_fmnist.yaml")
-    runs = []
-    for run in suite.runs:
-        summary = run_dir_of(out_dir, run) / "summary.json"
-        if not summary.is_file() or json.loads(summary.read_text()).get("status") != "FINISHED":
-            continue
-        final = json.loads(summary.read_text()).get("final", {})
-        keep = {
-            k: v
-            for k, v in final.items()
-            if v is not None
-            and (k.startswith(DOMAIN_KEY) or k in TRACKED)
-            or k == "personal/acc_worst_domain"
-        }
-        runs.append({"label": run.label, "seed": run.seed, "metrics": keep})
-    return {**description, "runs": runs}
-
-
-def domains_section(data: Mapping[str, Any]) -> list[str]:
-    """Final personalized accuracy per method: overall, worst domain and each domain."""
-    runs = data.get("runs", [])
-    out = ["## Feature shift (experiments/suites/feature_shift_fmnist.yaml)", ""]
-    if data.get("note"):
-        out += [data["note"], ""]
-    out += [f"Command: `{data.get('command', '?')}`; commit `{data.get('commit', '?')}`.", ""]
-    domains = sorted({k[len(DOMAIN_KEY) :] for r in runs for k in r["metrics"] if DOMAIN_KEY in k})
-    header = ["method", "seeds", "personal acc", "worst domain", *domains]
-    body = []
-    for label in dict.fromkeys(r["label"] for r in runs):
-        rs = [r["metrics"] for r in runs if r["label"] == label]
-        row = [label, str(len(rs)), pm([m["personal/acc"] for m in rs])]
-        row.append(pm([m["personal/acc_worst_domain"] for m in rs]))
-        row += [pm([m[DOMAIN_KEY + d] for m in rs if DOMAIN_KEY + d in m]) for d in domains]
-        body.append(row)
-    out += md_table(header, body)
-    by_label: dict[str, dict[int, float]] = {}
-    for r in runs:
-        by_label.setdefault(r["label"], {})[r["seed"]] = r["metrics"]["personal/acc"]
-    labels = list(by_label)
-    baselines = [b for b in labels if not b.startswith("pfedes")]
-    best, rows = paired_rows(by_label, baselines)
-    if best is not None:
-        out += [
-            f"Paired Δ of personal acc to the best baseline ({best}), same partition per seed:",
-            "",
-        ]
-        out += md_table(["method", "paired Δ (seeds)", "per seed"], rows)
-    out += [
-        "Protocol: every client scored in the final round with the model it would deploy, "
-        "unweighted mean over clients; the domain columns average the clients of each domain. "
-        "No run here has the no-federation control (`eval.federation_control`); "
-        "pfedes_kd with both controls is in its own section.",
-        "",
-    ]
-    return out
-
-
-# -- sections ----------------------------------------------------------------------------------
 # -- the results plan ---------------------------------------------------------------------------
 def plan_runs(table: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(the finished parts' files, every run in them) of one table of the results plan."""
@@ -468,11 +359,6 @@ def page() -> str:
             out += devices_section(devices_plan_data(table))
         else:
             out += plan_section(table)
-    planned = {t.name for t in load_plan() if plan_runs(t)[0]}
-    if FEATURE_SHIFT.is_file() and "feature_shift" not in planned:  # until the plan has it
-        out += domains_section(json.loads(FEATURE_SHIFT.read_text()))
-    if DEVICES.is_file() and "devices" not in planned:
-        out += devices_section(json.loads(DEVICES.read_text()))
     fedgh = RESULTS / "fedgh_header_init.json"
     if fedgh.is_file():
         out += fedgh_section(json.loads(fedgh.read_text()))
@@ -504,17 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a description field (title, command, commit, ...)",
     )
-    ap.add_argument("--devices", type=Path, help="the device-tier suite's --out folder")
-    ap.add_argument("--feature-shift", type=Path, help="the feature-shift suite's --out folder")
     args = ap.parse_args(argv)
-    if args.feature_shift:
-        data = collect_domains(args.feature_shift, dict(s.split("=", 1) for s in args.set))
-        FEATURE_SHIFT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        return 0
-    if args.devices:
-        data = collect_devices(args.devices, dict(s.split("=", 1) for s in args.set))
-        DEVICES.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        return 0
     if args.headline:
         fields = dict(s.split("=", 1) for s in args.set)
         into = args.into or HEADLINE
