@@ -193,8 +193,12 @@ def test_algorithms_of_a_suite_share_the_partition(tmp_path):
     [
         ("suites/pfedes_paper_fmnist.yaml", 27),
         ("suites/seed3_fmnist.yaml", None),
-        ("suites/pfedes_vs_baselines_fmnist.yaml", 66),
+        ("suites/pfedes_vs_baselines_fmnist.yaml", 78),
         ("suites/fedfd_fmnist.yaml", 9),
+        ("suites/fedfd_cpu_fmnist.yaml", 18),
+        ("suites/feature_shift_fmnist.yaml", 21),
+        ("suites/devices_fmnist.yaml", 18),
+        ("suites/personalization_fmnist.yaml", 60),
         ("paper/pfedes_cifar10.yaml", None),
         ("paper/pfedes_cifar100.yaml", None),
     ],

@@ -98,3 +98,17 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
     # a: 85.0 ± 7.1; m - a per seed +5.0, -1.0 (mean +2.0, std 4.2); m's gain 2.0 ± 0.7 points
     assert "| a | 2 | 85.0 ± 7.1 | – | best baseline |  |" in text
     assert "| m | 2 | 87.0 ± 2.8 | +2.0 ± 0.7 | +2.0 ± 4.2 (2) | +5.0, -1.0 |" in text
+
+
+def test_every_plan_table_names_its_suites_methods_and_settings(make_results):
+    import results_plan
+
+    from rayfl.compare import load_suite
+
+    for table in results_plan.load_plan():
+        suite = load_suite(table.suite)
+        labels = {r.label for r in suite.runs}
+        assert labels == set(table.methods()), table.name  # round_s prices every method
+        assert set(table.spec["baselines"]) <= labels, table.name
+        settings = {r.setting for r in suite.runs}
+        assert {s for s in table.settings() if s} <= settings, table.name
