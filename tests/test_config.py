@@ -176,6 +176,8 @@ def test_every_shipped_yaml_validates():
     files = sorted((ROOT / "experiments").rglob("*.yaml"))
     assert files
     for path in files:
+        if path.name == "results_plan.yaml":  # experiments/results_plan.py's, not rayfl's
+            continue
         assert validate_file(path)
 
 
