@@ -242,7 +242,7 @@ def plan_section(table: Any) -> list[str]:
     the metric and the declared columns, and paired differences to the best baseline."""
     spec = table.spec
     parts, runs = plan_runs(table)
-    missing = [p for p in table.parts() if not table.result(p).is_file()]
+    missing = table.missing()
     title = spec["title"] + (" — PARTIAL" if missing else "")
     commits = sorted({p["commit"] for p in parts})
     out = [f"## {title}", "", spec["what"].strip(), "", f"Protocol: {spec['protocol'].strip()}", ""]
@@ -297,7 +297,7 @@ def devices_plan_data(table: Any) -> dict[str, Any]:
     """The device-tier table's parts in the shape `devices_section` reads."""
     parts, runs = plan_runs(table)
     commits = ", ".join(sorted({p["commit"] for p in parts}))
-    missing = [p for p in table.parts() if not table.result(p).is_file()]
+    missing = table.missing()
     done = f"Parts done: {len(parts)} of {len(table.parts())}" + (
         f" (missing: {', '.join(missing)}); only the parts done are in the numbers."
         if missing

@@ -86,6 +86,10 @@ class Table:
         """One part's estimated core-seconds: every method's measured round time x rounds."""
         return sum(float(s) for s in self.spec["round_s"].values()) * self.rounds
 
+    def missing(self) -> list[str]:
+        """The parts without a result file yet."""
+        return [p for p in self.parts() if not self.result(p).is_file()]
+
     def result(self, part: str) -> Path:
         return RESULTS / self.name / f"{part}.json"
 
@@ -219,25 +223,19 @@ def run_part(table: Table, part: str, code: str, log: Any) -> bool:
 def status(tables: Sequence[Table], jobs: int) -> list[str]:
     lines, left = [], 0.0
     for t in tables:
-        done = [p for p in t.parts() if t.result(p).is_file()]
-        missing = len(t.parts()) - len(done)
-        left += missing * t.part_cost_s()
+        missing = t.missing()
+        left += len(missing) * t.part_cost_s()
         lines.append(
-            f"{t.name}: {len(done)}/{len(t.parts())} parts done; a part ~"
+            f"{t.name}: {len(t.parts()) - len(missing)}/{len(t.parts())} parts done; a part ~"
             f"{t.part_cost_s() / 3600:.2f} core-hours ({len(t.methods())} methods x "
-            f"{t.rounds} rounds); missing: {', '.join(p for p in t.parts() if p not in done) or '-'}"
+            f"{t.rounds} rounds); missing: {', '.join(missing) or '-'}"
         )
     lines.append(f"left: ~{left / 3600:.1f} core-hours, ~{left / 3600 / jobs:.1f} h at {jobs} jobs")
     return lines
 
 
 def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = ()) -> int:
-    todo = [
-        (t, p)
-        for t in tables
-        for p in t.parts()
-        if not t.result(p).is_file() and (not only or p in only)
-    ]
+    todo = [(t, p) for t in tables for p in t.missing() if not only or p in only]
     budget, lock, code = hours * 3600 * jobs, threading.Lock(), commit()
 
     def log(msg: str) -> None:

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.slow  # end-to-end runs, subprocesses or Ray
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rayfl(*args, cwd=ROOT, env=None):
+def rayfl(*args, cwd=ROOT, env=None, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "rayfl.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env=env,
     )
 

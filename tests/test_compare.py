@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,15 +51,10 @@ def write_suite(tmp_path: Path, **extra) -> Path:
 def compare_cli(path: Path, out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`rayfl compare path args --out out` in a subprocess with the fault plugin
     (`tests/suite_faults.py`) driven by `env`: its Ray and trials inherit the faults."""
+    from tests.test_cli import rayfl
+
     command = ["compare", str(path), *args, "--out", str(out), "--plugin", str(FAULTS)]
-    return subprocess.run(
-        [sys.executable, "-m", "rayfl.cli", *command],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-    )
+    return rayfl(*command, env=dict(os.environ, PYTHONPATH=str(ROOT), **env), timeout=600)
 
 
 def test_load_suite_builds_every_run(tmp_path):
