@@ -9,7 +9,11 @@ Subcommands:
         the splits and the batch order keep S. Offset 0 is the compare row's own run. Measures
         how much of a peer gap one initial draw accounts for (the peers seed torch with 0, so
         their rows share one draw; `HTFL_INIT_SEED` in `htfllib.py` and a one-line patch of
-        HtFLlib's `clientbase.py:20` vary theirs).
+        HtFLlib's `clientbase.py:20` vary theirs). With `--torch-seed K` instead, the server's
+        initial models are drawn right after `torch.manual_seed(K)`: K 0 is the draw
+        `pfllib.py pfllib` starts PFLlib from (main.py seeds torch with 0, then builds the
+        model), so both libraries start from one model (for servers that build their models
+        first, as `GroupServer` does).
     variant --peer htfllib|pfllib --algo A --seed S KEY=JSON... [compare options]
         the compare row's rayfl config with dotted overrides, e.g. `eval.protocol='"after_fit"'`
         to score at the peer's evaluation point.
@@ -44,6 +48,19 @@ def shifted_init(offset: int) -> None:
     server.words = shifted  # type: ignore[assignment]
 
 
+def peer_init(seed: int, torch_seed: int) -> None:
+    """Draw the server's initial models after `torch.manual_seed(torch_seed)` (in-process)."""
+    import rayfl.engine.server as server
+    from rayfl.seeding import Purpose, seed_of, words
+
+    initial = words(Purpose.SERVER, seed)  # the stream ServerRunner seeds torch from
+
+    def seeded(stream: tuple[int, ...]) -> int:
+        return torch_seed if stream == initial else seed_of(stream)
+
+    server.seed_of = seeded  # type: ignore[assignment]
+
+
 def run(raw: dict[str, Any], work: Path) -> list[float]:
     from rayfl.config import build_config
     from rayfl.engine.loop import Simulation
@@ -60,6 +77,7 @@ def main() -> None:
     ap.add_argument("--algo", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offset", type=int, default=0, help="init: the initial draw's offset")
+    ap.add_argument("--torch-seed", type=int, help="init: the server's draw after manual_seed(K)")
     ap.add_argument("--dataset", default="fmnist")
     ap.add_argument("--family", default="cnn5", help="htfllib rows")
     ap.add_argument("--arch", default="cnn5", help="pfllib rows")
@@ -83,13 +101,18 @@ def main() -> None:
         for part in path:
             node = node.setdefault(part, {})
         node[last] = json.loads(value)
-    if a.cmd == "init":
+    if a.torch_seed is not None and a.cmd != "init":
+        ap.error("--torch-seed is an option of init")
+    if a.torch_seed is not None:
+        peer_init(a.seed, a.torch_seed)
+    elif a.cmd == "init":
         shifted_init(a.offset)
     row = {
         "algo": a.algo,
         "peer": a.peer,
         "partition_seed": a.seed,
         "rayfl_init_offset": a.offset if a.cmd == "init" else 0,
+        **({"rayfl_init_torch_seed": a.torch_seed} if a.torch_seed is not None else {}),
         "overrides": a.overrides,
         "rayfl": run(raw, a.work),
         "config": raw,

@@ -6,10 +6,13 @@ Subcommands (`python experiments/peers/pfllib.py SUBCOMMAND -h` for their option
     install GIT_DIR DEST [--commit C]
         unpack `system/` of a fetched PFLlib snapshot (a bare git directory) into DEST, a
         throwaway folder outside rayfl (e.g. /tmp/peers/pfl). Nothing of PFLlib enters rayfl.
-    pfllib --dest DEST --dataset NAME --algo A --arch ARCH -- [main.py flags]
+    pfllib --dest DEST --dataset NAME --algo A --arch ARCH [--rayfl-init S] -- [main.py flags]
         (run with a Python that has PFLlib's requirements: `h5py`, `scikit-learn`) run one
         PFLlib algorithm (its server class, unmodified, as `system/main.py` would) on
         `DEST/dataset/NAME` with one rayfl architecture; prints the per-round accuracy as JSON.
+        `--rayfl-init S` (a diagnosis) starts PFLlib from the initial model rayfl's server
+        draws with seed S (its `Purpose.SERVER` stream) instead of main.py's torch seed 0;
+        `diagnose.py init --torch-seed 0` is the converse.
     compare --algo fedper --dest DEST --python VENV_PYTHON ...
         one rayfl run (serial, deployed protocol) on a fresh partition, its conversion to
         PFLlib's dataset folder (the format HtFLlib reads too: `htfllib.py convert`) and the
@@ -106,9 +109,12 @@ def main_py_args(system: Path, flags: list[str]) -> argparse.Namespace:
     return scope["parser"].parse_args(flags)
 
 
-def run_pfllib(dest: Path, dataset: str, algo: str, arch: str, flags: list[str]) -> list[float]:
+def run_pfllib(
+    dest: Path, dataset: str, algo: str, arch: str, flags: list[str], rayfl_init: int | None = None
+) -> list[float]:
     """Run PFLlib's server of `algo` on `dest/dataset/<dataset>`; per-round test accuracy of
-    the personalized models (entry r: after r rounds)."""
+    the personalized models (entry r: after r rounds). `rayfl_init`: start from the model
+    rayfl's server draws with that seed instead of main.py's."""
     info = json.loads((dest / "dataset" / dataset / "config.json").read_text())
     in_shape, num_classes = tuple(info["in_shape"]), int(info["num_classes"])
     system = dest / "system"
@@ -118,7 +124,12 @@ def run_pfllib(dest: Path, dataset: str, algo: str, arch: str, flags: list[str])
     args = main_py_args(system, flags)
     args.algorithm, args.dataset, args.num_classes = name, dataset, num_classes
     args.num_clients, args.device = info["num_clients"], "cpu"
-    torch.manual_seed(0)  # as main.py at import
+    if rayfl_init is None:
+        torch.manual_seed(0)  # as main.py at import
+    else:  # as rayfl's ServerRunner before its server builds the model
+        from rayfl.seeding import Purpose, seed_of, words
+
+        torch.manual_seed(seed_of(words(Purpose.SERVER, rayfl_init)))
     args.model = RayflNet(arch, in_shape, num_classes)
     if name in SPLIT:  # main.py's branch for these algorithms
         import copy
@@ -211,6 +222,7 @@ def main() -> None:
     h.add_argument("--dataset", required=True)
     h.add_argument("--algo", choices=sorted(ALGOS), required=True)
     h.add_argument("--arch", required=True)
+    h.add_argument("--rayfl-init", type=int, help="start from rayfl's server draw of this seed")
     h.add_argument("flags", nargs="*", help="after --: main.py flags")
     p = sub.add_parser("compare", help="rayfl and PFLlib on the same partition")
     p.add_argument("--algo", choices=sorted(ALGOS), required=True)
@@ -234,7 +246,8 @@ def main() -> None:
     if a.cmd == "install":
         print(install(a.git_dir, a.dest, a.commit))
     elif a.cmd == "pfllib":
-        print(json.dumps(run_pfllib(a.dest, a.dataset, a.algo, a.arch, a.flags + unknown)))
+        accs = run_pfllib(a.dest, a.dataset, a.algo, a.arch, a.flags + unknown, a.rayfl_init)
+        print(json.dumps(accs))
     else:
         row = compare(a)
         if a.out:

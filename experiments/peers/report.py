@@ -129,7 +129,11 @@ def row_table(row: Mapping[str, Any], key: str, peer: str) -> list[str]:
 def group_key(row: Mapping[str, Any], key: str) -> str:
     """Rows that differ only in their seed."""
     cfg = {k: v for k, v in row["config"].items() if k not in ("seed", "name")}
-    return json.dumps([row["algo"], cfg, row[key + "_flags"], row[key + "_commit"]], sort_keys=True)
+    init = row.get(key + "_rayfl_init")  # the peer started from rayfl's draw: a diagnosis
+    return json.dumps(
+        [row["algo"], cfg, row[key + "_flags"], row[key + "_commit"], init is not None],
+        sort_keys=True,
+    )
 
 
 def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> list[str]:
@@ -159,8 +163,9 @@ def seeds_summary(rows: Sequence[Mapping[str, Any]], key: str, peer: str) -> lis
             std = statistics.stdev(ok) if len(ok) > 1 else float("nan")
             flag = "" if abs(mean) <= TOLERANCE else " (over)"
             cells.append(f"{mean:+.1f} ± {std:.1f}{flag} ({', '.join(f'{d:+.1f}' for d in ok)})")
+        drawn = "" if first.get(key + "_rayfl_init") is None else f"; {peer} from rayfl's draw"
         lines.append(
-            f"| {first['algo']} | {setting(first)}; {peer} `{first[key + '_commit'][:7]}` | "
+            f"| {first['algo']} | {setting(first)}; {peer} `{first[key + '_commit'][:7]}`{drawn} | "
             f"{', '.join(map(str, seeds))} | " + " | ".join(cells) + " |"
         )
     if not lines:
@@ -265,16 +270,23 @@ def rayfl_inits_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "rayfl's seed draws both the partition and the initial models. Here the streams of the "
         "initial models (`Purpose.INIT`, `Purpose.SERVER`) take seed + 1000 x offset while the "
         "partition, the splits and the batch order keep the row's seed "
-        "(`experiments/peers/diagnose.py init`; offset 0 is the compare row itself).",
+        "(`experiments/peers/diagnose.py init`; offset 0 is the compare row itself). "
+        "`torch seed K`: the server's initial models are drawn right after "
+        "`torch.manual_seed(K)` instead (`--torch-seed K`; K 0 is PFLlib's draw).",
         "",
-        "| algorithm | partition seed | init offset | accuracy (%) after rounds 1.. | command |",
+        "| algorithm | partition seed | initial models | accuracy (%) after rounds 1.. | command |",
         "|---|---|---|---|---|",
     ]
     for row in rows:
         accs = ", ".join(f"{100 * v:.1f}" for v in row["rayfl"])
+        torch_seed = row.get("rayfl_init_torch_seed")
+        init = (
+            f"offset {row['rayfl_init_offset']}"
+            if torch_seed is None
+            else f"torch seed {torch_seed}"
+        )
         out.append(
-            f"| {row['algo']} | {row['partition_seed']} | {row['rayfl_init_offset']} | {accs} | "
-            f"`{row['command']}` |"
+            f"| {row['algo']} | {row['partition_seed']} | {init} | {accs} | `{row['command']}` |"
         )
     out.append("")
     return out
