@@ -217,7 +217,9 @@ def summarize(r: dict[str, Any], warmup: int) -> dict[str, Any]:
     if r.get("floor"):
         return {
             **r,
-            "round_s": r["in_run_s"] / max(1, r["trainings"] / r["per_round"] / r["workers"]),
+            # every share trains its part of every round side by side: a round of the floor
+            # takes the longest share's time over the rounds
+            "round_s": r["in_run_s"] / max(1, r["trainings"] / r["per_round"]),
             "overhead_s": 0.0,
             "server_s": 0.0,
             "up_mb": 0.0,
