@@ -396,3 +396,28 @@ def test_bench_replaces_a_symlinked_config_instead_of_writing_through_it(
     assert victim.read_bytes() == VICTIM
     assert not (out / "bench_config.yaml").is_symlink()
     assert yaml.safe_load((out / "bench_config.yaml").read_text())["seed"] == synthetic_raw["seed"]
+
+
+def test_flower_comparison_exports_rayfls_federation(tmp_path):
+    """Flower's clients get exactly rayfl's split: the same train and test indices per client,
+    the raw images and the normalisation, from the benchmark config without its bench section."""
+    import flower
+    import numpy as np
+
+    from rayfl.config import load_config
+    from rayfl.data.federated import prepare_federation
+
+    config, overrides = flower.run_config(tmp_path, rounds=3)
+    assert "bench" not in yaml.safe_load(config.read_text())
+    assert overrides == ["engine.rounds=3", "engine.eval_every=3"]
+    small = copy.deepcopy(SYNTHETIC)
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(small))
+    spec = flower.export(path, ["engine.rounds=4"], tmp_path / "fed.npz")
+    assert spec["clients"] == 6 and spec["rounds"] == 4 and spec["batch_size"] == 32
+    fed = prepare_federation(load_config(path, ["engine.rounds=4"]))
+    got = np.load(tmp_path / "fed.npz")
+    assert np.array_equal(got["x"], fed.dataset.x_train)
+    for i, c in enumerate(fed.clients):
+        assert np.array_equal(got[f"train{i}"], c.train)
+        assert np.array_equal(got[f"test{i}"], c.test)
