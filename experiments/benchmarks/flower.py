@@ -22,8 +22,8 @@ Steps:
 4. It prints each side's end-to-end seconds per repetition and the ratio Flower / rayfl, and
    writes `DIR/flower.json`.
 
-What differs and why: Flower's client reads its data from the `.npz` (memory-mapped, loaded
-once per Ray worker) where rayfl reads the dataset files and puts the arrays in Ray's object
+What differs and why: Flower's client reads its data from the `.npz` (once per Ray worker
+process) where rayfl reads the dataset files and puts the arrays in Ray's object
 store; Flower's data preparation is therefore not in its time, rayfl's is. Numbers differ
 between the two (different random streams for initialisation and batches); the work per round
 is the same. Measure on a quiet machine (`uptime` load average < 0.5).
@@ -187,20 +187,22 @@ def flower(spec_path: str, data_path: str) -> None:
             nn.Linear(128, spec["num_classes"]),
         )  # fmt: skip
 
-    cache: dict[str, Any] = {}
-
     def client_data(cid: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if "npz" not in cache:
+        # Flower unpickles the ClientApp's functions afresh in its actors, so a closure's dict
+        # would not outlive a call: the arrays live on the actor process's `sys` module, read
+        # once per process, as a rayfl worker gets the dataset once.
+        d = sys.__dict__.setdefault("_rayfl_flower_data", {})
+        if not d:
             torch.set_num_threads(1)
-            cache["npz"] = np.load(data_path, mmap_mode="r")
-        d = cache["npz"]
+            with np.load(data_path) as f:
+                d.update({k: f[k] for k in f.files})
         idx = d[f"{split}{cid}"]
-        x = torch.from_numpy(np.asarray(d["x"][idx], dtype=np.float32))
         view = (-1, 1, 1)
+        x = torch.from_numpy(d["x"][idx].astype(np.float32))
         x = (x / float(d["scale"]) - torch.from_numpy(d["mean"]).view(view)) / torch.from_numpy(
             d["std"]
         ).view(view)
-        return x, torch.from_numpy(np.asarray(d["y"][idx], dtype=np.int64))
+        return x, torch.from_numpy(d["y"][idx].astype(np.int64))
 
     client = ClientApp()
 
