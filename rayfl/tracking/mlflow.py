@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -215,12 +214,10 @@ class MlflowTracker(TrackerBase):
         flat = tracked_params(flatten_config(config))
         params = [Param(mlflow_key(k), "None" if v is None else str(v)) for k, v in flat.items()]
         self._send("log_config", lambda: self.client.log_batch(self._run, params=params))
-        with tempfile.TemporaryDirectory(prefix="rayfl-config-") as tmp:
-            path = Path(tmp) / "config.yaml"
-            path.write_text(yaml.safe_dump(plain(config), sort_keys=False))
-            self._send(
-                "log_artifact(config.yaml)", lambda: self.client.log_artifact(self._run, str(path))
-            )
+        text = yaml.safe_dump(plain(config), sort_keys=False)
+        self._send(
+            "log_text(config.yaml)", lambda: self.client.log_text(self._run, text, "config.yaml")
+        )
 
     def log_dataset(
         self, name: str, features: Any, targets: Any, context: str, source: str | None = None

@@ -295,20 +295,14 @@ def search_space(space: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Tune's `param_space` for the sweep's space (flat: dotted keys stay keys)."""
     from ray import tune
 
-    out: dict[str, Any] = {}
-    for key, spec in space.items():
-        kind, args = next(iter(spec.items()))
-        if kind == "grid":
-            out[key] = tune.grid_search(list(args))
-        elif kind == "choice":
-            out[key] = tune.choice(list(args))
-        elif kind == "uniform":
-            out[key] = tune.uniform(*args)
-        elif kind == "loguniform":
-            out[key] = tune.loguniform(*args)
-        else:  # randint: Tune's upper bound is exclusive, ours inclusive
-            out[key] = tune.randint(args[0], args[1] + 1)
-    return out
+    kinds: dict[str, Any] = {
+        "grid": lambda a: tune.grid_search(list(a)),
+        "choice": lambda a: tune.choice(list(a)),
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+        "randint": lambda a: tune.randint(a[0], a[1] + 1),  # Tune's upper bound is exclusive
+    }
+    return {key: kinds[kind](args) for key, spec in space.items() for kind, args in spec.items()}
 
 
 def num_trials(sweep: Sweep) -> int:
