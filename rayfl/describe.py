@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from rayfl.schema import RunConfig, help_of
+from rayfl.tables import text_table
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
@@ -54,13 +55,7 @@ def describe_fields(cls: type, prefix: str) -> list[str]:
         (f"{prefix}{f.name}", _show(_default(f)), _type_text(hints[f.name]), help_of(f))
         for f in dataclasses.fields(cls)
     ]
-    if not rows:
-        return ["  (no parameters)"]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return [
-        ("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + f"  {r[3]}").rstrip()
-        for r in rows
-    ]
+    return text_table(rows[0], rows[1:]) if rows else ["  (no parameters)"]
 
 
 def describe(name: str) -> str:

@@ -61,14 +61,12 @@ def markdown(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]]) 
         "| run | protection | alpha | noise multiplier | epsilon | personal/acc |",
         "|---|---|---|---|---|---|",
     ]
-    for label, r in refs.items():
+    rows = [(label, r, r["noise"] or "-") for label, r in refs.items()]
+    trials = sorted(trials, key=lambda r: (r["alpha"], r["noise"] or 0))
+    rows += [(r["run"], r, r["noise"]) for r in trials]
+    for label, r, noise in rows:
         lines.append(
-            f"| {label} | {_protection(r)} | {r['alpha']} | {r['noise'] or '-'} | "
-            f"{_num(r['epsilon'])} | {_num(r['acc'])} |"
-        )
-    for r in sorted(trials, key=lambda r: (r["alpha"], r["noise"] or 0)):
-        lines.append(
-            f"| {r['run']} | {_protection(r)} | {r['alpha']} | {r['noise']} | "
+            f"| {label} | {_protection(r)} | {r['alpha']} | {noise} | "
             f"{_num(r['epsilon'])} | {_num(r['acc'])} |"
         )
     return "\n".join(lines)
@@ -92,12 +90,13 @@ def _num(v: Any) -> str:
 
 
 def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out: Path) -> Path:
-    import matplotlib
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig = Figure(figsize=(6.5, 4.2))  # no pyplot: no global backend or figure registry
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for alpha in sorted({r["alpha"] for r in trials}):
         pts = sorted(
             (r["epsilon"], r["acc"]) for r in trials if r["alpha"] == alpha and r["acc"] is not None
@@ -106,7 +105,7 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", label=f"DP-FedAvg, alpha={alpha}")
     styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
-    colors = [plt.get_cmap("Dark2")(k) for k in range(8)]
+    colors = [colormaps["Dark2"](k) for k in range(8)]
     for i, (label, r) in enumerate(refs.items()):
         if r["acc"] is None:
             continue
@@ -118,9 +117,8 @@ def plot(trials: Sequence[dict[str, Any]], refs: dict[str, dict[str, Any]], out:
                 r["acc"], linestyle=styles[i % len(styles)], color=color, label=f"{label} (no DP)"
             )
     xlabel = "epsilon (client-level, at the run's delta)"
-    return save_epsilon_plot(
-        fig, ax, out, xlabel, ACC, "pFedES: personalized accuracy vs privacy budget"
-    )
+    title = "pFedES: personalized accuracy vs privacy budget"
+    return save_epsilon_plot(fig, ax, out, xlabel, ACC, title)
 
 
 def save_epsilon_plot(fig: Any, ax: Any, out: Path, xlabel: str, ylabel: str, title: str) -> Path:

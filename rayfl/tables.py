@@ -61,6 +61,13 @@ def write_table(
     return written
 
 
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """Text cells as aligned lines, each indented by two spaces (the printed reports)."""
+    rows = [list(header), *map(list, body)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def finite_or_none(obj: Any) -> Any:
     """A copy of nested dicts/lists with NaN and inf floats replaced by None."""
     if isinstance(obj, float):

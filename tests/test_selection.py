@@ -20,7 +20,7 @@ from rayfl.config import build_config
 from rayfl.engine.loop import Simulation
 from rayfl.engine.metrics import AT_BEST_VAL
 from rayfl.errors import ConfigError
-from rayfl.tune.report import _best
+from rayfl.tune.report import best_row
 from rayfl.tune.sweep import TEST_METRIC, VAL_METRIC, ranking_metric
 
 
@@ -67,7 +67,10 @@ def test_test_labels_cannot_change_the_chosen_trial_or_round(
         assert val == [(r["round"], r[VAL_METRIC], r["personal/val_loss"]) for r in b["history"]]
         assert a[AT_BEST_VAL + "round"] == b[AT_BEST_VAL + "round"]
         assert a[TEST_METRIC] != b[TEST_METRIC]  # the test labels did change the test scores
-    assert _best(honest, VAL_METRIC, "max")["trial"] == _best(tampered, VAL_METRIC, "max")["trial"]
+    assert (
+        best_row(honest, VAL_METRIC, "max")["trial"]
+        == best_row(tampered, VAL_METRIC, "max")["trial"]
+    )
 
 
 def test_tune_ranks_on_validation_or_refuses(synthetic_raw, caplog) -> None:

@@ -8,7 +8,6 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from rayfl import gate
@@ -16,12 +15,12 @@ from rayfl.compare.results import (
     ARCH_PREFIX,
     DOMAIN_PREFIX,
     PERSONAL,
-    _final_row,
     aggregate,
     curves_and_spread,
     failed_row,
     format_results,
     mean_col,
+    run_row,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite
 from rayfl.engine.rundir import read_mlflow_run
@@ -60,14 +59,12 @@ def preflight(suite: Suite) -> None:
             )
 
 
-def run_dir_of(out_dir: Path, run: SuiteRun, create: bool = False) -> Path:
-    """Where a suite run lives, `[setting/]label/seedN` under `out_dir`; with `create`, made
-    through the gate (a link on the way is refused, never followed)."""
+def run_dir_of(out_dir: Path, run: SuiteRun) -> Path:
+    """Where a suite run lives, `[setting/]label/seedN` under `out_dir`, made through the gate
+    (a link on the way is refused, never followed)."""
     rel = Path(run.setting or ".") / run.label / f"seed{run.seed}"
-    if create:
-        with gate.Folder(out_dir).sub(str(rel), create=True) as folder:
-            return folder.path
-    return out_dir / rel
+    with gate.Folder(out_dir).sub(str(rel), create=True) as folder:
+        return folder.path
 
 
 def finished_row(
@@ -80,13 +77,9 @@ def finished_row(
         return None
     summary, history = got
     ref = read_mlflow_run(run_dir)
-    result = SimpleNamespace(
-        final=summary.get("final", {}),
-        history=history,
-        status="FINISHED",
-        tracker_run_id=ref["run_id"] if ref else None,
-    )
-    return _final_row(run, result, float(summary.get("wall_s", 0.0)), run_dir), history
+    wall_s, final = float(summary.get("wall_s", 0.0)), summary.get("final", {})
+    run_id = ref["run_id"] if ref else None
+    return run_row(run, run_dir, wall_s, "FINISHED", final, len(history), run_id), history
 
 
 def remove_checkpoints(run_dir: Path) -> None:
@@ -110,7 +103,8 @@ def execute_run(
     except Exception as exc:
         log.warning("suite run %s failed: %s", run_dir, exc)
         return failed_row(run, run_dir, exc, time.perf_counter() - start), []
-    row = _final_row(run, result, time.perf_counter() - start, run_dir)
+    wall_s, rounds = time.perf_counter() - start, len(result.history)
+    row = run_row(run, run_dir, wall_s, result.status, result.final, rounds, result.tracker_run_id)
     if result.status == "FINISHED" and not keep_checkpoints:
         remove_checkpoints(run_dir)
     return row, result.history
@@ -126,41 +120,38 @@ def _execute(
     """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
     `done(index, row, history)` as each run ends. Raises KeyboardInterrupt when Ctrl-C stopped
     a run before it ended."""
-    runs = {index: run for index, run, _ in todo}
-    places = {index: run_dir for index, _, run_dir in todo}
+    runs = {index: (run, run_dir) for index, run, run_dir in todo}
 
     def ended(index: int, got: dict[str, Any]) -> None:
-        done(index, {**got["row"], "run_dir": str(places[index])}, got["history"])
+        done(index, {**got["row"], "run_dir": str(runs[index][1])}, got["history"])
 
     results = run_grid(
         suite.name,
-        {index: run.config for index, run in runs.items()},
+        {index: run.config for index, run, _ in todo},
         suite.parallel,
         _grid_run,
         on_result=ended,
-        runs=runs,
-        dirs={index: str(run_dir.absolute()) for index, run_dir in places.items()},
+        runs={index: (run, str(run_dir.absolute())) for index, run, run_dir in todo},
         parent_id=parent_id,
         keep_checkpoints=keep_checkpoints,
     )
     stopped = False
     for index, run, run_dir in todo:
         got = results.get(index, Stopped)
-        if isinstance(got, dict):  # handed to `ended` as it ended
-            continue
         if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
-        else:  # the trial itself died (not the run's own error)
+        elif not isinstance(got, dict):  # the trial itself died (not the run's own error)
             done(index, failed_row(run, run_dir, got), [])
     if stopped:
         raise KeyboardInterrupt
 
 
 def _grid_run(
-    cfg: RunConfig, index: int, runs: dict[int, SuiteRun], dirs: dict[int, str], **kw: Any
+    cfg: RunConfig, index: int, runs: dict[int, tuple[SuiteRun, str]], **kw: Any
 ) -> dict[str, Any]:
-    """One suite run as a grid trial: its row and history."""
-    row, history = execute_run(runs[index]._replace(config=cfg), Path(dirs[index]), **kw)
+    """One suite run as a grid trial: its row and history (handed to `ended` as it ends)."""
+    run, run_dir = runs[index]
+    row, history = execute_run(run._replace(config=cfg), Path(run_dir), **kw)
     return {"row": row, "history": history}
 
 
@@ -180,27 +171,13 @@ def run_suite(
     progress: bool = True,
     keep_checkpoints: bool = False,
 ) -> str:
-    """Run every run of a suite and write the side-by-side results.
+    """Run every run of a suite (see the package doc) into `out` (default
+    `runs/suite-<name>-<time>`) and return the comparison table (also `<out>/table.txt`).
 
-    Runs go `parallel` at a time as Ray Tune trials (suite key or `parallel=N` override; default
-    one after another). Joins the Ray already initialized, else `engine.address` of the first
-    run, else starts a private local Ray (shut down at the end).
-    Rerunning the same command on the same `out` resumes: runs whose directory holds a FINISHED
-    `summary.json` are skipped, unfinished ones continue from their checkpoints, each in its own
-    MLflow run, and all under the parent run of the first attempt (its id is kept in
-    `<out>/mlflow_run.json`). An interrupted suite ends its parent and its unfinished children
-    KILLED; a run that restarts from round 1 (it left no checkpoint) replaces its partial MLflow
-    run. A run that fails is recorded (status FAILED, its error) and the suite goes on.
-
-    Args:
-        path: the suite YAML.
-        overrides: see `load_suite`.
-        out: output folder (default `runs/suite-<name>-<time>`).
-        progress: show a progress bar over the runs on stderr.
-        keep_checkpoints: keep each finished run's checkpoint (default: removed once it finished).
-
-    Returns:
-        The comparison table (also written to `<out>/table.txt`).
+    Joins the Ray already initialized, else `engine.address` of the first run, else starts a
+    private local Ray (shut down at the end). An interrupted suite ends its parent and unfinished
+    children KILLED; a run that restarts from round 1 (no checkpoint) replaces its partial
+    MLflow run. `keep_checkpoints` keeps each finished run's checkpoint.
 
     Raises:
         SuiteInterrupted: Ctrl-C or SIGTERM; finished runs and checkpoints are kept in `out`.
@@ -240,13 +217,8 @@ def _run_locked(
 
     gate.write(out_dir / "suite.yaml", path.read_bytes())
     first = suite.runs[0].config.tracking
-    params: dict[str, Any] = {
-        "suite": suite.name,
-        "file": str(path),
-        "seeds": suite.seeds,
-        "labels": suite.labels,
-    }
-    params |= {"algorithms": suite.algorithms, "settings": suite.settings}
+    params: dict[str, Any] = {"suite": suite.name, "file": str(path), "seeds": suite.seeds}
+    params |= {"labels": suite.labels, "algorithms": suite.algorithms, "settings": suite.settings}
     params |= {"overrides": list(overrides), "runs": len(suite.runs), "parallel": suite.parallel}
     # (this process holds the folder's lock: children a reopened parent left RUNNING were killed)
     parent = ParentRun(out_dir, first, f"suite-{suite.name}", {"rayfl.suite": suite.name}, params)
@@ -254,7 +226,7 @@ def _run_locked(
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
     todo: list[tuple[int, SuiteRun, Path]] = []
     for index, run in enumerate(suite.runs):
-        run_dir = run_dir_of(out_dir, run, create=True)
+        run_dir = run_dir_of(out_dir, run)
         slots[index] = finished_row(run, run_dir)
         if slots[index] is None:
             todo.append((index, run, run_dir))
@@ -307,9 +279,8 @@ def _run_locked(
         if slot is not None and slot[1]:
             histories[run.setting][run.label].append(slot[1])
     results = aggregate(rows)
-    artifacts = write_table(rows, out_dir / "runs", csv=True) + write_table(
-        results, out_dir / "results", csv=True
-    )
+    artifacts = write_table(rows, out_dir / "runs", csv=True)
+    artifacts += write_table(results, out_dir / "results", csv=True)
     for setting, by_label in histories.items():
         means, spread = curves_and_spread(by_label, PERSONAL)
         name = f"curves_personal_acc{'_' + setting if setting else ''}.png"
@@ -318,17 +289,17 @@ def _run_locked(
     table = format_results(suite, results, time.perf_counter() - start, failed)
     gate.write(out_dir / "table.txt", (table + "\n").encode())
     artifacts.append(out_dir / "table.txt")
-    for agg in results:
-        prefix = f"{agg['setting'] + '/' if agg['setting'] else ''}{agg['label']}/"
-        suffix = mean_col("")
-        accs = {
-            prefix + k[: -len(suffix)]: v
-            for k, v in agg.items()
+    suffix = mean_col("")  # the mean accuracies, as `[setting/]label/<metric>`
+    parent.log_metrics(
+        {
+            f"{a['setting'] + '/' if a['setting'] else ''}{a['label']}/{k[: -len(suffix)]}": v
+            for a in results
+            for k, v in a.items()
             if k.endswith(suffix)
             and v is not None
             and (k.endswith(mean_col("/acc")) or k.startswith((ARCH_PREFIX, DOMAIN_PREFIX)))
         }
-        parent.log_metrics(accs)
+    )
     parent.log_artifacts(artifacts)
     parent.close("FAILED" if failed else "FINISHED")
     log.info("suite %s written to %s", suite.name, out_dir)

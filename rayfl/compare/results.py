@@ -6,36 +6,49 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from rayfl.compare.suite import Suite, SuiteRun
+from rayfl.tables import text_table
 
 PERSONAL = "personal/acc"
 # the test accuracy at the round chosen on validation (`rayfl.engine.metrics.at_best_val`)
 AT_BEST_VAL = "at_best_val/personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
 DOMAIN_PREFIX = "personal/acc/domain="  # a federation with domains (`data.domains`)
+ID_COLUMNS = tuple(
+    [
+        "setting",
+        "label",
+        "algorithm",
+        "seed",
+        "status",
+        "rounds",
+        "run_dir",
+        "mlflow_run_id",
+        "error",
+    ]
+)
 
 
-def _final_row(run: SuiteRun, result: Any, wall_s: float, run_dir: Path) -> dict[str, Any]:
-    final = result.final
-    rounds = max(1, len(result.history))
-    up = final.get("comm/bytes_up_total", 0.0) / rounds / 1e6
-    down = final.get("comm/bytes_down_total", 0.0) / rounds / 1e6
-    row: dict[str, Any] = {
-        "setting": run.setting,
-        "label": run.label,
-        "algorithm": run.config.algorithm.name,
-        "seed": run.seed,
-        "status": result.status,
-        "rounds": len(result.history),
-        "run_dir": str(run_dir),
-        "mlflow_run_id": result.tracker_run_id or "",
-        "error": "",
-    }
+def run_row(
+    run: SuiteRun,
+    run_dir: Path,
+    wall_s: float,
+    status: str,
+    final: Mapping[str, Any] | None = None,
+    rounds: int = 0,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """One run's row of runs.parquet: who it is (`ID_COLUMNS`), its final metrics, its
+    communication per round and wall time."""
+    final = final or {}
+    up = final.get("comm/bytes_up_total", 0.0) / max(1, rounds) / 1e6
+    down = final.get("comm/bytes_down_total", 0.0) / max(1, rounds) / 1e6
+    ids = (run.setting, run.label, run.config.algorithm.name, run.seed, status, rounds)
+    row: dict[str, Any] = dict(zip(ID_COLUMNS, (*ids, str(run_dir), run_id or "", "")))
     row.update({k: float(v) for k, v in sorted(final.items()) if k not in ("round",)})
     row["comm/mb_up_per_round"] = up
     row["comm/mb_down_per_round"] = down
@@ -48,22 +61,8 @@ def failed_row(
     run: SuiteRun, run_dir: Path, exc: BaseException, wall_s: float = 0.0
 ) -> dict[str, Any]:
     """The row of a run that failed (or whose trial died): FAILED, with the error's first line."""
-    empty = SimpleNamespace(final={}, history=[], status="FAILED", tracker_run_id=None)
     error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-    return {**_final_row(run, empty, wall_s, run_dir), "error": error}
-
-
-ID_COLUMNS = (
-    "setting",
-    "label",
-    "algorithm",
-    "seed",
-    "status",
-    "rounds",
-    "run_dir",
-    "mlflow_run_id",
-    "error",
-)
+    return {**run_row(run, run_dir, wall_s, "FAILED"), "error": error}
 
 
 def mean_col(metric: str) -> str:
@@ -109,12 +108,14 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def seed_curves(
+def curves_and_spread(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
-) -> dict[str, list[tuple[int, float, float | None]]]:
-    """Per label, `(round, mean, std)` over seeds of `key` at each round where any seed has it
-    (sample std, ddof=1; None where only one seed has the round)."""
-    curves: dict[str, list[tuple[int, float, float | None]]] = {}
+) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[tuple[int, float]]]]:
+    """Per label, `(round, mean)` and `(round, std)` over seeds of `key` at each round where any
+    seed has it (sample std, ddof=1; no std where one seed has the round): what
+    `plot_compare(means, ..., spread=stds)` draws."""
+    means: dict[str, list[tuple[int, float]]] = {}
+    stds: dict[str, list[tuple[int, float]]] = {}
     for label, runs in histories.items():
         by_round: dict[int, list[float]] = defaultdict(list)
         for history in runs:
@@ -122,11 +123,10 @@ def seed_curves(
                 value = row.get(key)
                 if value is not None and math.isfinite(value):
                     by_round[int(row["round"])].append(float(value))
-        curves[label] = [
-            (r, float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else None)
-            for r, v in sorted(by_round.items())
-        ]
-    return curves
+        rounds = sorted(by_round.items())
+        means[label] = [(r, float(np.mean(v))) for r, v in rounds]
+        stds[label] = [(r, float(np.std(v, ddof=1))) for r, v in rounds if len(v) > 1]
+    return means, stds
 
 
 def mean_curves(
@@ -134,25 +134,6 @@ def mean_curves(
 ) -> dict[str, list[tuple[int, float]]]:
     """Per label, the mean over seeds of `key` at each round where any seed has it."""
     return curves_and_spread(histories, key)[0]
-
-
-def curves_and_spread(
-    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
-) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[tuple[int, float]]]]:
-    """`(means, stds)` per label and round: what `plot_compare(means, ..., spread=stds)` draws."""
-    curves = seed_curves(histories, key)
-    means = {label: [(r, mean) for r, mean, _ in points] for label, points in curves.items()}
-    return means, spread_of(curves)
-
-
-def spread_of(
-    curves: Mapping[str, Sequence[tuple[int, float, float | None]]],
-) -> dict[str, list[tuple[int, float]]]:
-    """The `(round, std)` points of `seed_curves`, for the band drawn around each mean."""
-    return {
-        label: [(r, std) for r, _, std in points if std is not None]
-        for label, points in curves.items()
-    }
 
 
 def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
@@ -249,14 +230,6 @@ def format_results(
 ) -> str:
     """The printed comparison: one table per setting, accuracy per architecture group, and the
     runs that failed with their errors."""
-
-    def render(header: list[str], body: list[list[str]]) -> list[str]:
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-        return [
-            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-            for r in [header, *body]
-        ]
-
     spread = "mean ± std over seeds" if len(suite.seeds) > 1 else "one seed"
     lines = [
         f"suite {suite.name}: {len(suite.runs)} runs ({len(suite.labels)} algorithms x {len(suite.seeds)} seeds"
@@ -271,13 +244,13 @@ def format_results(
         lines.append("")
         if setting:
             lines.append(f"setting {setting}")
-        lines += render(*table_rows(rows))
+        lines += text_table(*table_rows(rows))
         for prefix, what in ((ARCH_PREFIX, "architecture group"), (DOMAIN_PREFIX, "domain")):
             header, body = arch_rows(rows, prefix)
             if header:
                 lines.append("")
                 lines.append(f"  personalized accuracy per {what}")
-                lines += render(header, body)
+                lines += text_table(header, body)
     if failed:
         lines.append("")
         lines.append(f"  {len(failed)} run(s) FAILED (rerun the same command to retry them):")

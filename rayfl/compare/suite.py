@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
+from itertools import product
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -12,15 +13,8 @@ from rayfl.config import build_config, parse_override, read_yaml, resolve_base_f
 from rayfl.errors import ConfigError, UserError, check_name, suggest
 from rayfl.schema import RunConfig
 
-SUITE_KEYS = (
-    "suite",
-    "base",
-    "base_file",
-    "algorithms",
-    "seeds",
-    "settings",
-    "description",
-    "parallel",
+SUITE_KEYS = tuple(
+    ["suite", "base", "base_file", "algorithms", "seeds", "settings", "description", "parallel"]
 )
 SELECT_KEYS = ("seeds", "algorithms", "settings")  # suite-level command-line overrides
 
@@ -144,11 +138,7 @@ def _algorithm_entries(raw: Mapping[str, Any], path: Path) -> tuple[list[Any], l
 
 
 def _seeds(seeds: Any, path: Path) -> list[int]:
-    if (
-        not isinstance(seeds, list)
-        or not seeds
-        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-    ):
+    if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
         raise ConfigError(f"{path}: seeds must be a non-empty list of integers, e.g. [0, 1, 2]")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{path}: seeds {seeds} repeat a seed")
@@ -161,12 +151,9 @@ def _settings(raw: Mapping[str, Any], path: Path) -> tuple[list[Any], list[str]]
     if not isinstance(settings_raw, list):
         raise ConfigError(f"{path}: settings must be a list of {{name, overrides}}")
     settings: list[tuple[str, Overrides]] = []
+    allowed = {"name", "overrides"}
     for i, s in enumerate(settings_raw):
-        if (
-            not isinstance(s, Mapping)
-            or not isinstance(s.get("name"), str)
-            or set(s) - {"name", "overrides"}
-        ):
+        if not isinstance(s, Mapping) or not isinstance(s.get("name"), str) or set(s) - allowed:
             raise ConfigError(f"settings[{i}]: expected {{name, overrides}}")
         if raw.get("settings"):  # (not the one unnamed setting)
             check_name(s["name"], f"settings[{i}].name")
@@ -180,17 +167,9 @@ def _settings(raw: Mapping[str, Any], path: Path) -> tuple[list[Any], list[str]]
 
 
 def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
-    """Read a suite file, build and validate every run's config.
-
-    Args:
-        path: the suite YAML.
-        overrides: `key=value` strings applied to every run, plus the selectors `seeds=[...]`,
-            `algorithms=[labels]`, `settings=[names]`.
-
-    Raises:
-        ConfigError: a malformed suite, an invalid run config, an algorithm override that would
-            change the partition, or a family an algorithm cannot use.
-    """
+    """Read a suite file, build and validate every run's config. `overrides` are `key=value`
+    strings applied to every run, plus the selectors `seeds=[...]`, `algorithms=[labels]`,
+    `settings=[names]` and `parallel=N`. A ConfigError names what is malformed or invalid."""
     from rayfl.checks import check_family
 
     path = Path(path)
@@ -213,31 +192,21 @@ def load_suite(path: str | Path, overrides: Sequence[str] = ()) -> Suite:
     settings = _pick(*_settings(raw, path), select.get("settings"), "settings")
 
     runs: list[SuiteRun] = []
-    for setting, setting_pairs in settings:
-        for label, algo_name, algo_pairs in algos:
-            for seed in seeds:
-                run_raw = copy.deepcopy(base)
-                same = (
-                    isinstance(base_algorithm, Mapping) and base_algorithm.get("name") == algo_name
-                )
-                run_raw["algorithm"] = dict(base_algorithm) if same else {"name": algo_name}
-                for keypath, value in [*setting_pairs, *algo_pairs]:
-                    set_dotted(run_raw, keypath, copy.deepcopy(value), f"{label}")
-                where = f"{setting + ' / ' if setting else ''}{label}: "
-                try:
-                    cfg = build_config(run_raw, cli)
-                    cfg = dataclasses.replace(
-                        cfg,
-                        name=name,
-                        seed=seed,
-                        tracking=dataclasses.replace(
-                            cfg.tracking, run_name=run_name(setting, label, seed)
-                        ),
-                    )
-                    check_family(cfg)
-                except UserError as exc:
-                    raise type(exc)(f"{path}: {where}{exc}") from None
-                runs.append(SuiteRun(label, seed, cfg, setting))
+    base_algo = base_algorithm.get("name") if isinstance(base_algorithm, Mapping) else None
+    for (setting, s_pairs), (label, algo, a_pairs), seed in product(settings, algos, seeds):
+        run_raw = copy.deepcopy(base)
+        run_raw["algorithm"] = dict(base_algorithm) if base_algo == algo else {"name": algo}
+        for keypath, value in [*s_pairs, *a_pairs]:
+            set_dotted(run_raw, keypath, copy.deepcopy(value), label)
+        try:
+            cfg = build_config(run_raw, cli)
+            tracking = dataclasses.replace(cfg.tracking, run_name=run_name(setting, label, seed))
+            cfg = dataclasses.replace(cfg, name=name, seed=seed, tracking=tracking)
+            check_family(cfg)
+        except UserError as exc:
+            where = f"{setting + ' / ' if setting else ''}{label}: "
+            raise type(exc)(f"{path}: {where}{exc}") from None
+        runs.append(SuiteRun(label, seed, cfg, setting))
     parallel = select.get("parallel", raw.get("parallel", 1))
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ConfigError(

@@ -1,15 +1,7 @@
-"""`rayfl report DIR`: one self-contained HTML page for a run, a suite or a sweep directory.
-
-Everything is inline (CSS, figures as base64 PNG), so the page can be mailed or opened from an
-artifact store. What is on it depends on the folder:
-
-- a run (`summary.json`): the final metrics (with the local-only baseline and gain when the run
-  measured them), learning curves one metric per panel, personalized accuracy per architecture
-  (and per domain, with `data.domains`) as bars, the clients' label distribution, the config;
-- a suite (`results.parquet` + `runs.parquet`): the comparison table, accuracy per architecture
-  group and per domain (tables and bars), mean learning curves, every run with its status and error;
-- a sweep (`results.parquet` + `sweep.yaml`): the trials table, the best trial, the metric
-  against each swept parameter.
+"""`rayfl report DIR`: one self-contained HTML page (inline CSS, figures as base64 PNG) for a
+run directory (`summary.json`), a suite folder (`runs.parquet`, `suite.yaml`) or a sweep folder
+(`results.parquet` + `sweep.yaml`): the final metrics or comparison table, per-architecture and
+per-domain accuracy, learning curves, the runs or trials with their status, the config.
 
 Every file is read through :mod:`rayfl.gate` (authenticated, or with ``--untrusted`` only
 bounded); the page draws at most ``MAX_DRAWN`` metrics and architectures and lists at most

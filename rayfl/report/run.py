@@ -84,34 +84,25 @@ def run_report(run_dir: Path) -> str:
         f"seed {summary.get('seed')}, {summary.get('rounds')} rounds, status "
         f"{summary.get('status')}, wall time {summary.get('wall_s', 0):.0f} s"
     )
-    targets = _section(cfg, "eval").get("targets") or []
-    targets = (
-        [t for t in targets if isinstance(t, int | float)] if isinstance(targets, list) else []
-    )
+    targets = _section(cfg, "eval").get("targets")
+    targets = [t for t in targets if isinstance(t, int | float)] if type(targets) is list else []
     sections = [("Final metrics", table(["metric", "value"], _final_rows(final, targets)))]
     if history:
         keys, note = capped(list(default_keys(history)), MAX_DRAWN, "metrics")
         curves = figure(partial(plot_learning_curves, history, keys=keys), "learning curves")
         sections.append(("Learning curves", curves + note))
-    arch = _tagged(final, "personal/acc/arch=")
-    arch_note = ""
-    if len(arch) > MAX_DRAWN:
-        shown, arch_note = capped(sorted(arch), MAX_DRAWN, "architectures")
-        arch = {a: arch[a] for a in shown}
-    if arch:
-        groups = {algo: arch}
-        if local := _tagged(final, "baseline/local_acc/arch="):
+    for what, tag in (("architecture", "arch="), ("domain", "domain=")):
+        values = _tagged(final, f"personal/acc/{tag}")
+        shown, note = capped(sorted(values), MAX_DRAWN, f"{what}s")
+        if not shown:
+            continue
+        groups = {algo: {a: values[a] for a in shown}}
+        if local := _tagged(final, f"baseline/local_acc/{tag}"):
             groups["local-only"] = local
-        header = ["architecture", *groups]
-        body = [[a, *(groups[g].get(a, float("nan")) for g in groups)] for a in sorted(arch)]
-        bars = figure(arch_bars(groups), "per architecture")
-        sections.append(
-            ("Personalized accuracy per architecture", table(header, body) + bars + arch_note)
-        )
-    if domain := _tagged(final, "personal/acc/domain="):
-        body = [[d, v] for d, v in sorted(domain.items())]
-        bars = figure(arch_bars({algo: domain}, xlabel="domain"), "per domain")
-        sections.append(("Personalized accuracy per domain", table(["domain", algo], body) + bars))
+        body = [[a, *(g.get(a, float("nan")) for g in groups.values())] for a in shown]
+        bars = figure(arch_bars(groups, xlabel=what), f"per {what}")
+        content = table([what, *groups], body) + bars + note
+        sections.append((f"Personalized accuracy per {what}", content))
     if history:
         cost = figure(partial(plot_cost_curves, {algo: [history]}), "accuracy vs cost")
         sections.append(("Accuracy against communication and time", cost))

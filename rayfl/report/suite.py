@@ -22,18 +22,14 @@ from rayfl.report.page import (
 from rayfl.tables import read_table
 
 
-def _run_path(out_dir: Path, row: Mapping[str, Any]) -> list[str]:
-    """A suite run's directory as parts relative to the suite folder, where the suite lays it
-    out: `[setting/]label/seedN`."""
-    return [
-        *([str(row["setting"])] if row["setting"] else []),
-        str(row["label"]),
-        f"seed{row['seed']}",
-    ]
+def _run_path(row: Mapping[str, Any]) -> list[str]:
+    """A suite run's directory as parts relative to the suite folder: `[setting/]label/seedN`."""
+    setting = [str(row["setting"])] if row["setting"] else []
+    return [*setting, str(row["label"]), f"seed{row['seed']}"]
 
 
 def suite_report(out_dir: Path) -> str:
-    from rayfl.compare import (
+    from rayfl.compare.results import (
         ARCH_PREFIX,
         DOMAIN_PREFIX,
         PERSONAL,
@@ -75,7 +71,7 @@ def suite_report(out_dir: Path) -> str:
         histories: dict[str, list[Any]] = {}
         for run in runs:
             if run["setting"] == setting and run["status"] == "FINISHED":
-                with gate.Folder(out_dir).sub("/".join(_run_path(out_dir, run))) as d:
+                with gate.Folder(out_dir).sub("/".join(_run_path(run))) as d:
                     history = read_history(d.path / "metrics.parquet")
                 if history:
                     histories.setdefault(run["label"], []).append(history)
@@ -98,7 +94,7 @@ def suite_report(out_dir: Path) -> str:
         shown = f"{r['setting'] + '/' if r['setting'] else ''}{r['label']}/seed{r['seed']}"
         status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
         cells = [r["label"], r["seed"], status, r.get(PERSONAL), r["rounds"]]
-        cells += run_links(out_dir, _run_path(out_dir, r), str(r.get("mlflow_run_id") or ""), shown)
+        cells += run_links(out_dir, _run_path(r), str(r.get("mlflow_run_id") or ""), shown)
         run_rows.append([r["setting"], *cells] if settings else cells)
     classes = ["failed" if r["status"] != "FINISHED" else "" for r in runs]
     sections.append(("Runs", table(header, run_rows, classes)))

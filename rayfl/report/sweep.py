@@ -14,11 +14,6 @@ from rayfl.report.page import MAX_DRAWN, esc, figure, is_file, page, read_histor
 from rayfl.tables import read_table
 
 
-def _log_sampled(space: Mapping[str, Any]) -> list[str]:
-    """The swept keys drawn log-uniformly (`{loguniform: [low, high]}`): their axes are log."""
-    return [k for k, spec in space.items() if isinstance(spec, Mapping) and "loguniform" in spec]
-
-
 def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
@@ -26,20 +21,18 @@ def _short(value: Any) -> str:
 def sweep_report(out_dir: Path) -> str:
     from rayfl.config import parse_yaml
     from rayfl.tracking.plots import plot_compare, plot_metric_vs_params
+    from rayfl.tune.report import best_row
     from rayfl.tune.sweep import TEST_METRIC, is_validation_metric
 
     rows = read_table(out_dir / "results.parquet")
     raw = parse_yaml(gate.read_text(out_dir / "sweep.yaml"), out_dir / "sweep.yaml")
-    sweep = raw.get("sweep", {}) if isinstance(raw.get("sweep"), dict) else {}
-    space_spec = raw.get("space") or sweep.get("space") or {}
-    space = list(space_spec.keys())
-    tune = raw.get("tune") or sweep.get("tune") or {}
+    space = raw.get("space") or {}
+    tune = raw.get("tune") or {}
     metric = str(tune.get("metric", "personal/acc"))
     mode = str(tune.get("mode", "max"))
-    params = [p for p in space if rows and p in rows[0]] or [
-        k for k in (rows[0] if rows else {}) if k.startswith(("algorithm.", "train.", "data."))
-    ]
-    log_params = _log_sampled(space_spec) if isinstance(space_spec, Mapping) else []
+    params = [p for p in space if rows and p in rows[0]]
+    # the swept keys drawn log-uniformly get log axes
+    log_params = [k for k, v in space.items() if isinstance(v, Mapping) and "loguniform" in v]
     # a validation metric ranks; the test accuracy of the same round is shown, never ranked on
     shown = [metric] + ([TEST_METRIC] if is_validation_metric(metric) else [])
     names = [f"{m} (test)" if m != metric else m for m in shown]
@@ -58,9 +51,8 @@ def sweep_report(out_dir: Path) -> str:
         )
     classes = ["failed" if r.get("status") == "error" else "" for r in rows]
     sections = [("Trials", table(header, body, classes))]
-    scored = [r for r in rows if isinstance(r.get(metric), float) and math.isfinite(r[metric])]
-    if scored:
-        best = (max if mode == "max" else min)(scored, key=lambda r: r[metric])
+    best = best_row(rows, metric, mode)
+    if best is not None:
         best_rows = [[p, _short(best.get(p))] for p in params]
         best_rows += [[n, best.get(m)] for n, m in zip(names, shown)]
         where = "validation data" if is_validation_metric(metric) else "TEST data"

@@ -15,22 +15,14 @@ from collections.abc import Mapping
 from rayfl.errors import ConfigError, suggest
 from rayfl.tracking.base import (
     BACKENDS,
-    STATUSES,
+    NullTracker,
+    StdoutTracker,
     Tracker,
-    TrackerBase,
     default_tracking_uri,
     flatten_config,
 )
 
-__all__ = [
-    "BACKENDS",
-    "STATUSES",
-    "Tracker",
-    "TrackerBase",
-    "default_tracking_uri",
-    "flatten_config",
-    "make_tracker",
-]
+__all__ = ["Tracker", "default_tracking_uri", "flatten_config", "make_tracker"]
 
 
 def make_tracker(
@@ -43,23 +35,10 @@ def make_tracker(
     tags: Mapping[str, str] | None = None,
     run_id: str | None = None,
 ) -> Tracker:
-    """Build the tracker named by the config key ``tracking.backend``.
-
-    Args:
-        backend: ``"mlflow"``, ``"stdout"`` or ``"none"``.
-        experiment: Experiment name (MLflow creates it on first use).
-        run_name: Display name of the run.
-        tracking_uri: MLflow store; defaults to :func:`default_tracking_uri`.
-        parent_run_id: Nest this run under another (a sweep's parent run).
-        tags: Tags set when the run is created.
-        run_id: Continue this MLflow run (a resumed simulation) instead of starting one.
-
-    Returns:
-        A started tracker; call ``close()`` when the run ends.
-
-    Raises:
-        ConfigError: ``backend`` is not a known backend.
-    """
+    """A started tracker for ``tracking.backend`` (``mlflow``, ``stdout`` or ``none``); call
+    ``close()`` when the run ends. ``parent_run_id`` nests the run under a sweep's or suite's
+    parent run; ``run_id`` continues that MLflow run (a resumed simulation); ``tracking_uri``
+    defaults to :func:`default_tracking_uri`. A ConfigError names an unknown backend."""
     if backend == "mlflow":
         from rayfl.tracking.mlflow import MlflowTracker
 
@@ -72,12 +51,8 @@ def make_tracker(
             run_id=run_id,
         )
     if backend == "stdout":
-        from rayfl.tracking.stdout import StdoutTracker
-
         return StdoutTracker(experiment=experiment, run_name=run_name, tags=tags)
     if backend == "none":
-        from rayfl.tracking.null import NullTracker
-
         return NullTracker()
     raise ConfigError(
         f"tracking.backend: unknown backend {backend!r}{suggest(backend, BACKENDS)}; "

@@ -1,4 +1,4 @@
-"""The tracker protocol every experiment sink implements, and the factory that picks one.
+"""The tracker protocol every experiment sink implements, and the console and null trackers.
 
 Modelled on torchtune's ``metric_logging``: a handful of methods (config, metrics per step,
 artifacts, tags, close) so MLflow, the console and "nothing" are interchangeable and the engine
@@ -9,64 +9,69 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import yaml
+
 BACKENDS = ("mlflow", "stdout", "none")
 STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 _T = TypeVar("_T", bound="TrackerBase")
+logger = logging.getLogger("rayfl.tracking.stdout")
 
 
 @runtime_checkable
 class Tracker(Protocol):
-    """A sink for one simulation run's config, per-round metrics and files.
-
-    Implementations never raise from ``log_*`` because the sink failed (a tracking server
-    outage must not end a simulation); they log a warning instead.
+    """A sink for one run's config, per-round metrics (keys like ``personal/acc/arch=cnn1``),
+    files and string tags. ``log_*`` never raise because the sink failed (a tracking server
+    outage must not end a simulation); they warn instead. ``close`` takes FINISHED, FAILED or
+    KILLED and does nothing the second time.
 
     Optional methods, looked up with ``getattr`` by the engine: ``log_dataset`` and
     ``log_missing(rows)``, which a resumed run calls with the ``(step, metrics)`` of the rounds
     its checkpoint restored, so that a store keeping history (MLflow) gets the ones it missed.
-
-    Attributes:
-        run_id: The backend's id for this run (MLflow run id), or None when it has none.
+    ``run_id`` is the backend's id for the run (MLflow run id), or None.
     """
 
     run_id: str | None
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
-        """Record the run's configuration (nested mappings are flattened to dotted keys)."""
-        ...
+    def log_config(self, config: Mapping[str, Any]) -> None: ...
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Record scalar metrics (keys like ``personal/acc/arch=cnn1``) at a round/step."""
-        ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
-    def log_artifact(self, path: str | Path) -> None:
-        """Attach a file (plot, Parquet results, checkpoint) to the run."""
-        ...
+    def log_artifact(self, path: str | Path) -> None: ...
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Set string tags on the run (e.g. algorithm, dataset, git commit)."""
-        ...
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
 
-    def close(self, status: str = "FINISHED") -> None:
-        """End the run with FINISHED, FAILED or KILLED; calling it again does nothing."""
-        ...
+    def close(self, status: str = "FINISHED") -> None: ...
 
 
 class TrackerBase:
-    """Context-manager support shared by the trackers: ``with make_tracker(...) as t:``.
+    """A tracker that keeps nothing, and the context manager of every tracker: the run is
+    closed FINISHED on normal exit, KILLED on Ctrl-C and FAILED on any other error."""
 
-    The run is closed FINISHED on normal exit, KILLED on Ctrl-C and FAILED on any other error.
-    """
+    run_id: str | None = None
 
-    def close(self, status: str = "FINISHED") -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED") -> None:
+        check_status(status)  # so that typos surface in tests too
 
     def __enter__(self: _T) -> _T:
         return self
@@ -79,10 +84,66 @@ class TrackerBase:
     ) -> None:
         if exc_type is None:
             self.close("FINISHED")
-        elif issubclass(exc_type, KeyboardInterrupt):
-            self.close("KILLED")
         else:
-            self.close("FAILED")
+            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+class NullTracker(TrackerBase):
+    """``tracking.backend: none`` (tests, benchmarks): accepts every call, keeps nothing."""
+
+
+class StdoutTracker(TrackerBase):
+    """``tracking.backend: stdout``: everything goes to ``logging`` at INFO (logger
+    ``rayfl.tracking.stdout``); no files, no server."""
+
+    def __init__(
+        self,
+        *,
+        experiment: str = "default",
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
+        self.experiment = experiment
+        self.run_name = run_name
+        self._closed = False
+        logger.info("run %s in experiment %r", run_name or "(unnamed)", experiment)
+        if tags:
+            self.set_tags(tags)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        logger.info("config:\n%s", yaml.safe_dump(plain(config), sort_keys=False).rstrip())
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if metrics:
+            logger.info("%s", format_metrics(metrics, step))
+
+    def log_artifact(self, path: str | Path) -> None:
+        logger.info("artifact: %s", Path(path).resolve())  # the file stays where it is
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if tags:
+            logger.info("tags: %s", ", ".join(f"{k}={v}" for k, v in tags.items()))
+
+    def close(self, status: str = "FINISHED") -> None:
+        status = check_status(status)
+        if not self._closed:
+            self._closed = True
+            logger.info("run %s ended: %s", self.run_name or "(unnamed)", status)
+
+
+def format_metrics(metrics: Mapping[str, float], step: int) -> str:
+    """One step's metrics as a single sorted ``key=value`` line.
+
+    Example:
+        >>> format_metrics({"personal/acc": 0.81234, "comm/bytes_up": 12000}, step=3)
+        'step 3: comm/bytes_up=12000 personal/acc=0.8123'
+    """
+    parts = []
+    for key in sorted(metrics):
+        value = metrics[key]
+        finite = isinstance(value, float) and math.isfinite(value)
+        parts.append(f"{key}={f'{value:.4g}' if finite and not value.is_integer() else value}")
+    return f"step {step}: " + " ".join(parts)
 
 
 def check_status(status: str) -> str:
@@ -94,11 +155,8 @@ def check_status(status: str) -> str:
 
 
 def plain(value: Any) -> Any:
-    """Convert a config value to plain YAML/JSON types (dicts, lists, str, numbers, None).
-
-    Dataclasses become dicts, tuples and sets lists, paths and enums their string/value, and
-    anything else unknown its ``str`` so that a config can always be written out.
-    """
+    """A config value as plain YAML/JSON types: dataclasses become dicts, tuples and sets lists,
+    paths and enums their string/value, anything else unknown its ``str``."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
@@ -117,17 +175,8 @@ def plain(value: Any) -> Any:
 
 
 def flatten_config(config: Mapping[str, Any] | Any, sep: str = ".") -> dict[str, Any]:
-    """Flatten nested mappings into dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``.
-
-    Lists stay values (MLflow shows them as strings); an empty mapping is kept as ``{}`` so
-    that a present-but-empty section is still visible.
-
-    Args:
-        config: A mapping or a (nested) dataclass such as the frozen ``RunConfig``.
-        sep: The separator between levels.
-
-    Returns:
-        A flat ``{dotted key: plain value}`` dict in the config's order.
+    """Nested mappings (or a nested dataclass such as ``RunConfig``) as dotted keys, in order.
+    Lists stay values; an empty mapping is kept as ``{}`` so an empty section stays visible.
 
     Example:
         >>> flatten_config({"engine": {"rounds": 5, "executor": {"workers": 2}}, "seed": 1})
@@ -147,11 +196,8 @@ def flatten_config(config: Mapping[str, Any] | Any, sep: str = ".") -> dict[str,
 
 
 def default_tracking_uri() -> str:
-    """Return ``$MLFLOW_TRACKING_URI`` if set, else a SQLite store in the working directory.
-
-    The path is made absolute now because Ray Tune runs each trial in its own working
-    directory: a relative ``sqlite:///mlflow.db`` would give every trial its own database.
-    """
+    """``$MLFLOW_TRACKING_URI`` if set, else a SQLite store in the working directory, made
+    absolute now: Ray Tune runs each trial in its own working directory."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri

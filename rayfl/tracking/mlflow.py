@@ -1,18 +1,12 @@
-"""MLflow tracker: one MLflow run per simulation, through an explicit ``MlflowClient``.
+"""MLflow tracker: one MLflow run per simulation, through an explicit ``MlflowClient`` (the
+fluent API keeps one global active run per process, which a sweep's parent and child runs, or
+two tests, would share); every call names its run id.
 
-The fluent API (``mlflow.start_run``) keeps one global active run per process; a sweep's parent
-run and its trials' child runs, or two tests, would then share or leak state. Every call here
-names its run id instead.
-
-Batching is MLflow's: metrics go through ``MlflowClient.log_batch(..., synchronous=False)``,
-whose queue merges them into batches and sends them from MLflow's own threads while the
-simulation runs; ``close`` waits for them. ``log_batch`` also splits params and tags into
-MLflow's batch limits and cuts values that are too long (``MLFLOW_TRUNCATE_LONG_VALUES``).
-
-Outages: a failing tracking server never ends a simulation, and never holds it for minutes.
-rayfl bounds every HTTP call (:data:`HTTP_DEFAULTS`), and after the first failed call the
-tracker logs one warning and sends nothing more for this run: the run directory holds every
-number.
+Batching is MLflow's: ``log_batch(..., synchronous=False)`` queues metrics and sends them from
+MLflow's own threads; ``close`` waits for them. ``log_batch`` also splits params and tags into
+MLflow's batch limits. A failing tracking server never ends a simulation nor holds it for
+minutes: every HTTP call is bounded (:data:`HTTP_DEFAULTS`), and after the first failed call the
+tracker warns once and sends nothing more for this run (the run directory holds every number).
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -58,11 +51,9 @@ _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
 
 
 def mlflow_key(key: str) -> str:
-    """A metric/param key as MLflow allows it (alphanumerics, ``_ - . /`` and spaces; normalized
-    paths), changing as little as possible: ``personal/acc/arch=cnn1`` -> ``personal/acc/arch_cnn1``.
-    """
+    """A key as MLflow allows it (alphanumerics, ``_ - . /``, spaces; a normalized path), changed
+    as little as possible: ``personal/acc/arch=cnn1`` -> ``personal/acc/arch_cnn1``."""
     out = _BAD_KEY_CHARS.sub("_", str(key))
-    # MLflow also rejects keys that are not normalized paths ("/a", "a//b", "a/../b").
     segments = ["_" if s in (".", "..") else s for s in out.split("/") if s]
     return ("/".join(segments) or "_")[:MAX_KEY]
 
@@ -75,18 +66,15 @@ def client_for(uri: str) -> Any:
 
 
 def _sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (``sqlite:////abs/x.db``: ``/abs/x.db``), or
-    None for other stores."""
+    """The database file of a ``sqlite:///`` URI, or None for other stores."""
     rest = unquote(uri.removeprefix("sqlite:///").split("?", 1)[0])
     return Path(rest) if uri.startswith("sqlite:///") and rest not in ("", ":memory:") else None
 
 
 def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
-    """A client for ``uri`` and the id of ``experiment`` (created if needed; a UserError if deleted).
-
-    A SQLite store is opened under a file lock (``<db>.lock``): two processes creating the schema
-    of a fresh file at once fail. Its artifacts are kept next to the database (``mlruns/<name>``).
-    """
+    """A client for ``uri`` and the id of ``experiment`` (created if needed; a UserError if
+    deleted). A SQLite store is opened under ``<db>.lock`` (two processes creating the schema of
+    a fresh file at once fail); its artifacts are kept next to it (``mlruns/<name>``)."""
     db = _sqlite_path(uri)
     location = None
     if db is not None:
@@ -127,8 +115,7 @@ class MlflowTracker(TrackerBase):
         tags: Mapping[str, str] | None = None,
         run_id: str | None = None,
     ) -> None:
-        self.tracking_uri = tracking_uri or default_tracking_uri()
-        self.experiment = experiment
+        self.tracking_uri = uri = tracking_uri or default_tracking_uri()
         # user, command line, git commit and rayfl version; the caller's tags win
         run_tags = {str(k): str(v) for k, v in {**provenance_tags(), **(tags or {})}.items()}
         if parent_run_id:
@@ -147,18 +134,13 @@ class MlflowTracker(TrackerBase):
             ) from exc
         self.run_id: str | None = run.info.run_id
         self._run: str = run.info.run_id
-        self.run_name: str = run.info.run_name
         self._sending: list[Any] = []  # MLflow's RunOperations of the metrics sent
         self._down = False  # a call failed: nothing more is sent for this run
         self._closed = False
         self._key_origin: dict[str, str] = {}
         self._key_clash: set[str] = set()
         logger.info(
-            "MLflow run %s (%s) in %r at %s",
-            self.run_id,
-            self.run_name,
-            experiment,
-            self.tracking_uri,
+            "MLflow run %s (%s) in %r at %s", run.info.run_id, run.info.run_name, experiment, uri
         )
 
     def _continue_run(self, run_id: str) -> Any:
@@ -227,19 +209,15 @@ class MlflowTracker(TrackerBase):
             logger.warning("metric keys %r and %r both map to MLflow key %r", first, key, mapped)
         return mapped
 
-    # -- Tracker API ----------------------------------------------------------------------------
-
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the flattened config as params and the whole of it as ``config.yaml``."""
         flat = tracked_params(flatten_config(config))
         params = [Param(mlflow_key(k), "None" if v is None else str(v)) for k, v in flat.items()]
         self._send("log_config", lambda: self.client.log_batch(self._run, params=params))
-        with tempfile.TemporaryDirectory(prefix="rayfl-config-") as tmp:
-            path = Path(tmp) / "config.yaml"
-            path.write_text(yaml.safe_dump(plain(config), sort_keys=False))
-            self._send(
-                "log_artifact(config.yaml)", lambda: self.client.log_artifact(self._run, str(path))
-            )
+        text = yaml.safe_dump(plain(config), sort_keys=False)
+        self._send(
+            "log_text(config.yaml)", lambda: self.client.log_text(self._run, text, "config.yaml")
+        )
 
     def log_dataset(
         self, name: str, features: Any, targets: Any, context: str, source: str | None = None

@@ -1,8 +1,7 @@
 """Static plots of a run or a comparison, written as image files (PNG, SVG or PDF by suffix).
 
-Figures are built with matplotlib's object API on the Agg canvas, never through ``pyplot``:
-no display is needed, nothing is shown, and no global figure registry grows inside long-lived
-Ray workers or Tune trials.
+Figures use matplotlib's object API on the Agg canvas, never ``pyplot``: no display is needed,
+and no global figure registry grows inside long-lived Ray workers or Tune trials.
 
 A ``history`` is one mapping per evaluated round, ``{"round": 3, "personal/acc": 0.71, ...}``;
 a key missing from a round (metrics evaluated every k rounds) leaves a gap, not a zero.
@@ -28,10 +27,7 @@ from rayfl.gate import write_with
 logger = logging.getLogger(__name__)
 
 ARCH_PREFIX = "personal/acc/arch="
-# a run directory's plots (`plot_run`)
-LABELS = "label_distribution.png"
-CURVES = "learning_curves.png"
-PER_ARCH = "per_architecture.png"
+LABELS, CURVES, PER_ARCH = "label_distribution.png", "learning_curves.png", "per_architecture.png"
 
 # Reports show figures at most this wide (inches at `_save`'s 120 dpi: 1080 px, inside the HTML
 # page's 1100 px column), so a browser never scales them down.
@@ -167,12 +163,8 @@ def plot_learning_curves(
 def plot_per_architecture(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """Plot personalized accuracy per architecture group (``personal/acc/arch=<name>``)."""
     keys = sorted({k for row in history for k in row if k.startswith(ARCH_PREFIX)})
-    fig = _new_figure()
-    ax = fig.add_subplot()
-    if not _lines(ax, {k[len(ARCH_PREFIX) :]: series(history, k) for k in keys}):
-        _no_data(ax, f"{ARCH_PREFIX}*")
-    ax.set(xlabel="round", ylabel="personalized accuracy", title="accuracy per architecture")
-    return _save(fig, path)
+    curves = {k[len(ARCH_PREFIX) :]: series(history, k) for k in keys}
+    return plot_compare(curves, path, "personalized accuracy", title="accuracy per architecture")
 
 
 MAX_BAR_LABELS = 12  # more bars than this: no value over each bar (the table has the numbers)
@@ -223,16 +215,16 @@ def plot_bars(
 
 
 def plot_compare(
-    curves: Mapping[str, Sequence[tuple[int, float]]],
+    curves: Mapping[str, Sequence[tuple[float, float]]],
     path: str | Path,
     ylabel: str,
-    spread: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+    spread: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     title: str = "",
 ) -> Path:
     """Plot one curve per algorithm (e.g. mean accuracy over seeds against rounds), with a band
     of mean +- std where `spread` (``{algorithm: [(round, std), ...]}``) has one."""
 
-    def finite(pairs: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, list[Any]]:
+    def finite(pairs: Mapping[str, Sequence[tuple[float, float]]]) -> dict[str, list[Any]]:
         return {
             k: [(float(x), y) for x, v in p if (y := _finite(v)) is not None]
             for k, p in pairs.items()

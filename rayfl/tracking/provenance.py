@@ -78,35 +78,18 @@ def provenance_tags() -> dict[str, str]:
 
 def _abbrev(key: str) -> str:
     """`T` -> `T`, `alpha` -> `a`, `embed_dim` -> `ed`."""
-    if len(key) <= 2:
-        return key
-    return "".join(part[0] for part in key.split("_") if part)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return key if len(key) <= 2 else "".join(part[0] for part in key.split("_") if part)
 
 
 def run_name_for(cfg: Any, leading: int = 3) -> str:
-    """A descriptive run name from the algorithm, its leading parameters, any changed from their
-    defaults, and the seed, e.g. `pfedes-kd-T4-a0.1-b0.5-s0`.
-
-    Args:
-        cfg: a `RunConfig`.
-        leading: how many of the algorithm's first-declared parameters always appear.
-    """
+    """A descriptive run name of `RunConfig` `cfg`: the algorithm, its `leading` first-declared
+    parameters, any other changed from its default, and the seed (`pfedes-kd-T4-a0.1-b0.5-s0`)."""
     params = cfg.algorithm.params
     parts = [cfg.algorithm.name]
     for i, f in enumerate(dataclasses.fields(params)):
         value = getattr(params, f.name)
         changed = f.default is not dataclasses.MISSING and value != f.default
-        if (
-            value is None
-            or isinstance(value, dict | list | tuple)
-            or (i >= leading and not changed)
-        ):
+        if value is None or isinstance(value, dict | list | tuple) or i >= leading and not changed:
             continue
         if isinstance(value, bool):
             if value:
@@ -114,7 +97,7 @@ def run_name_for(cfg: Any, leading: int = 3) -> str:
         elif isinstance(value, str):
             parts.append(value)
         else:
-            parts.append(f"{_abbrev(f.name)}{_value(value)}")
+            parts.append(f"{_abbrev(f.name)}{f'{value:g}' if isinstance(value, float) else value}")
     parts.append(f"s{cfg.seed}")
     return "-".join(parts)
 

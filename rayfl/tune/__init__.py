@@ -2,9 +2,7 @@
 placement group, reporting every round (so ASHA can stop it early) and logging an MLflow child run
 under the sweep's parent run.
 
-    rayfl tune experiments/sweeps/pfedes_T_alpha.yaml
     rayfl tune experiments/sweeps/pfedes_T_alpha.yaml tune.num_samples=4 tune.scheduler=asha
-    rayfl tune experiments/sweeps/pfedes_T_alpha.yaml engine.rounds=5 --out runs/sweeps/x
 
 A sweep file::
 
@@ -26,11 +24,10 @@ Command-line overrides: `tune.<key>=...` sets the `tune:` section, `space.<dotte
 adds or replaces one space entry, and every other `key=value` goes to the base experiment after the
 file's own `overrides` (e.g. `engine.rounds=5`).
 
-Outputs under `--out` (default `runs/sweeps/<sweep>-<time>`): `tune/` (Tune's own experiment
-state; rerunning with `tune.resume=true` continues it, also after the sweep was killed: a copy
-of that state is sealed after each finished trial), `trials/<trial>/` (each trial's run
-directory and checkpoints), `results.parquet` (one row per trial), `best_config.yaml` (the best
-trial's experiment, ready for `rayfl run`) and `metric_vs_params.png`.
+Outputs under `--out` (default `runs/sweeps/<sweep>-<time>`): `tune/` (Tune's own state;
+`tune.resume=true` continues it, also after a kill), `trials/<trial>/` (each trial's run
+directory), `results.parquet` (one row per trial), `best_config.yaml` (the best trial's
+experiment, ready for `rayfl run`) and `metric_vs_params.png`.
 """
 
 from rayfl.tune.report import SweepResult, write_results

@@ -26,9 +26,8 @@ Stopped = None  # what `run_grid` returns for a run Ctrl-C stopped before it end
 def pinned(cfg: RunConfig) -> RunConfig:
     """`cfg` made independent of the working directory (a Tune trial runs in its own): the data
     root and the MLflow store as absolute paths."""
-    root = cfg.data.root
     data = dataclasses.replace(
-        cfg.data, root=str(Path(root).expanduser().absolute()) if root else root
+        cfg.data, root=cfg.data.root and str(Path(cfg.data.root).expanduser().absolute())
     )
     tracking = cfg.tracking
     if tracking.backend == "mlflow":
@@ -47,8 +46,7 @@ def run_grid(
     """Run `fn(cfg, index, **params)` for every `index -> cfg` of `configs`, `parallel` at a
     time, each as a Tune trial in the placement group of its run; `fn` returns a JSON-able
     dict, handed to `on_result(index, returned)` on this process as the trial ends. Returns per
-    index what `fn` returned, the error of a trial that died, or `Stopped`.
-    """
+    index what `fn` returned, the error of a trial that died, or `Stopped`."""
     import ray
     from ray import tune
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,13 +11,8 @@ import yaml
 
 from rayfl.gate import write as write_atomic
 from rayfl.schema import to_dict
-from rayfl.tables import write_table
+from rayfl.tables import text_table, write_table
 from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric
-
-log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- results
 
 
 @dataclass
@@ -58,12 +52,9 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
         row["rounds"] = int(metrics.get("round", 0))
         wanted = int(result.config.get("engine.rounds", rounds)) if result.config else rounds
         if result.error is not None:
+            text = str(result.error).strip()
             row["status"] = "error"
-            row["error"] = (
-                str(result.error).strip().splitlines()[-1][:300]
-                if str(result.error).strip()
-                else type(result.error).__name__
-            )
+            row["error"] = text.splitlines()[-1][:300] if text else type(result.error).__name__
         else:
             row["status"] = "done" if row["rounds"] >= wanted else "stopped"
             row["error"] = ""
@@ -72,18 +63,15 @@ def _collect(grid: Any, sweep: Sweep) -> list[dict[str, Any]]:
     return rows
 
 
-def _best(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
-    """The row with the best `metric` (the ranking metric only: no other column of a row can
-    change which trial wins)."""
-    scored = [
-        r
-        for r in rows
-        if r["status"] != "error" and r[metric] is not None and math.isfinite(r[metric])
-    ]
-    if not scored:
-        return None
-    pick = max if mode == "max" else min
-    return pick(scored, key=lambda r: r[metric])
+def best_row(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    """The row with the best finite `metric` (the ranking metric only: no other column of a row
+    can change which trial wins), or None."""
+    scored = [r for r in rows if r.get("status") != "error" and _finite(r.get(metric))]
+    return (max if mode == "max" else min)(scored, key=lambda r: r[metric]) if scored else None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -122,14 +110,12 @@ def format_results(result: SweepResult) -> str:
     metric = sweep.tune.metric
     cols = ["trial", *sweep.space, *reported(sweep), "rounds", "status"]
     names = [f"{c} (test)" if c == TEST_METRIC and c != metric else c for c in cols]
-    cells = [names] + [[_fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "stopped", "error")}
     lines = [
         f"sweep {sweep.name}: {len(rows)} trials ({counts['done']} done, {counts['stopped']} stopped early, "
         f"{counts['error']} failed), {metric} ({sweep.tune.mode}), {result.wall_s:.1f} s"
     ]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells]
+    lines += text_table(names, [[_fmt(r.get(c)) for c in cols] for r in rows])
     for r in rows:
         if r["status"] == "error":
             lines.append(f"  {r['trial']} failed: {r['error']}")

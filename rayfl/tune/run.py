@@ -16,29 +16,19 @@ from rayfl import gate
 from rayfl.errors import UserError
 from rayfl.tune.report import (
     SweepResult,
-    _best,
     _collect,
     _plot,
+    best_row,
     format_results,
     reported,
     write_best_config,
     write_results,
 )
 from rayfl.tune.state import check_tune_state, seal_tune_state, snapshots
-from rayfl.tune.sweep import Sweep, TuneSettings, load_sweep, search_space
-from rayfl.tune.trial import (
-    TrialJob,
-    _check_fits,
-    _max_rounds,
-    _trainable,
-    _trial_name,
-    trial_bundles,
-)
+from rayfl.tune.sweep import Sweep, _probe_values, load_sweep, search_space
+from rayfl.tune.trial import TrialJob, _check_fits, _trainable, trial_bundles
 
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- MLflow parent run
 
 
 class ParentRun:
@@ -102,13 +92,6 @@ class ParentRun:
         self.tracker.close(status)
 
 
-# --------------------------------------------------------------------------- running
-
-
-def default_out(sweep: Sweep) -> Path:
-    return Path("runs") / "sweeps" / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def _absolute_uri(uri: str | None) -> str:
     """Trials run in their own directories: a relative SQLite path must become absolute."""
     from rayfl.tracking.base import default_tracking_uri
@@ -123,15 +106,10 @@ def _absolute_uri(uri: str | None) -> str:
 def run_sweep(
     path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
 ) -> str:
-    """Run a sweep on Ray Tune and return the printed report (see the module doc).
-
-    Joins the Ray that is already initialized, else `engine.address` of the base experiment, else
-    starts a private local Ray (shut down at the end).
-
-    Raises:
-        ConfigError: The sweep file is invalid.
-        UserError: A trial cannot fit the local Ray, `out` holds another sweep, or every trial failed.
-    """
+    """Run a sweep on Ray Tune and return the printed report (see the module doc). Joins the
+    Ray already initialized, else `engine.address` of the base experiment, else starts a private
+    local Ray (shut down at the end). A UserError when a trial cannot fit the local Ray, `out`
+    holds another sweep, or every trial failed."""
     return sweep_and_report(path, overrides, out)[1]
 
 
@@ -144,8 +122,12 @@ def sweep_and_report(
     from rayfl.engine.startup import init_ray
 
     sweep = load_sweep(path, overrides)
-    out_dir = Path(out if out is not None else default_out(sweep)).expanduser().resolve()
-    state = read_state(out_dir)  # before Ray starts: a planted sweep.json costs no start-up
+    default = Path("runs") / "sweeps" / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir = Path(out if out is not None else default).expanduser().resolve()
+    try:  # the fingerprint of an earlier start, read before Ray starts
+        state = dict(gate.read_json(out_dir / "sweep.json"))
+    except FileNotFoundError:
+        state = {}
     check_folder(sweep, out_dir)
     e = sweep.config.engine
     started = init_ray(e.address, e.ray_num_cpus)
@@ -155,21 +137,6 @@ def sweep_and_report(
         if started:
             ray.shutdown()
     return result, format_results(result)
-
-
-def tune_storage(t: TuneSettings, out: Path) -> str:
-    """Tune's `RunConfig(storage_path=...)`: `tune.storage` (a path or a URI such as
-    s3://bucket/prefix, which outlives the cluster's nodes), else `<out>/tune`."""
-    return t.storage or str(out / "tune")
-
-
-def read_state(out: Path) -> dict[str, Any]:
-    """`out/sweep.json` (the fingerprint of an earlier start), {} when there is none; read
-    through the gate (what this user's rayfl wrote)."""
-    try:
-        return dict(gate.read_json(out / "sweep.json"))
-    except FileNotFoundError:
-        return {}
 
 
 def check_folder(sweep: Sweep, out: Path) -> None:
@@ -192,9 +159,8 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
 
     t = sweep.tune
     inside = not t.storage  # Tune's storage in the sweep folder: sealed through the gate
-    storage = tune_storage(t, out)
+    storage = t.storage or str(out / "tune")  # a path, or a URI every node reaches
     exp_dir = f"{storage.rstrip('/')}/{sweep.name}"
-    state_path = out / "sweep.json"
     restoring = tune.Tuner.can_restore(str(exp_dir))
     if restoring and not t.resume:
         raise UserError(
@@ -222,7 +188,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         },
         reopen=restoring,
     )
-    gate.write(state_path, json.dumps({"fingerprint": fingerprint}, indent=2).encode())
+    gate.write(out / "sweep.json", json.dumps({"fingerprint": fingerprint}, indent=2).encode())
     gate.write(out / "sweep.yaml", yaml.safe_dump(fingerprint, sort_keys=False).encode())
 
     root = sweep.config.data.root
@@ -250,9 +216,10 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         else:
             scheduler = None
             if t.scheduler == "asha":
+                rounds = sweep.space.get("engine.rounds")  # swept: its largest value
                 scheduler = ASHAScheduler(
                     time_attr="round",
-                    max_t=_max_rounds(sweep),
+                    max_t=int(max(_probe_values(rounds))) if rounds else sweep.config.engine.rounds,
                     grace_period=t.grace_period,
                     reduction_factor=t.reduction_factor,
                 )
@@ -278,26 +245,22 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     callbacks=[snapshots()] if inside else None,
                 ),
             )
-        grid = tuner.fit()
-        result = SweepResult(sweep, out, rows=_collect(grid, sweep))
+        rows = _collect(tuner.fit(), sweep)
+        result = SweepResult(sweep, out, rows, best_row(rows, t.metric, t.mode))
         result.wall_s = time.perf_counter() - started
-        result.parent_run_id = parent.run_id
-        result.tracking_uri = parent.uri
-        result.best = _best(result.rows, t.metric, t.mode)
+        result.parent_run_id, result.tracking_uri = parent.run_id, parent.uri
         if not result.rows:
             raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
         write_results(result.rows, out / "results.parquet")
         if result.best is None:
-            first = next(
-                (r["error"] for r in result.rows if r["error"]), "no trial reported the metric"
-            )
+            first = next((r["error"] for r in rows if r["error"]), "no trial reported the metric")
             raise UserError(
                 f"sweep {sweep.name}: every trial failed ({first}); trial logs are under {exp_dir}"
             )
         result.best_config_path = write_best_config(result)
-        artifacts = [out / "results.parquet", result.best_config_path, out / "sweep.yaml"]
-        artifacts.append(_plot(result))
-        parent.log_artifacts(artifacts)
+        parent.log_artifacts(
+            [out / "results.parquet", result.best_config_path, out / "sweep.yaml", _plot(result)]
+        )
         best = {f"best/{k}": result.best[k] for k in reported(sweep) if result.best[k] is not None}
         parent.log_metrics({**best, "trials": len(result.rows)})
         status = "FINISHED"
@@ -314,6 +277,10 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     "Tune's state in %s was not sealed (%s): it cannot be resumed", out, exc
                 )
         parent.close(status)
+
+
+def _trial_name(trial: Any) -> str:
+    return f"trial_{trial.trial_id}"
 
 
 def _warn_sqlite_on_cluster(uri: str) -> None:

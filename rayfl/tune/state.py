@@ -1,11 +1,10 @@
 """Tune's own state in a sweep folder (`<out>/tune`), restored only from what this user's rayfl
 sealed: Ray Tune unpickles it on a restore, so a file nobody vouches for is never handed to it.
 
-The seal, `tune_state.json`, is a copy of every file of Tune's state written through the gate
-(so its authenticated manifest vouches for it): after each finished trial (`snapshots`) and when
-the sweep ends (`seal_tune_state`). A sweep killed at any moment (SIGKILL, power loss) resumes
-from the last copy: `<out>/tune/<sweep>` is rebuilt from it, never read as it was left. After a
-sweep that ended, the folder must match the copy: a changed or planted file is refused.
+The seal, `tune_state.json`, is a copy of every file of Tune's state written through the gate,
+after each finished trial (`snapshots`) and when the sweep ends (`seal_tune_state`). A killed
+sweep resumes from the last copy (`<out>/tune/<sweep>` is rebuilt from it); after a sweep that
+ended, the folder must match the copy: a changed or planted file is refused.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ def _seal(out: Path, files: dict[str, bytes], ended: bool) -> None:
 
 
 def seal_tune_state(out: Path) -> None:
-    """Seal every file Tune wrote under `<out>/tune` when the sweep ends: a restore unpickles
-    them."""
+    """Seal every file Tune wrote under `<out>/tune` when the sweep ends."""
     with gate.Folder(out) as folder, folder.sub("tune") as tune_dir:
         _seal(out, read_tree(tune_dir), ended=True)
 
@@ -95,11 +93,9 @@ def check_tune_state(out: Path, name: str) -> None:
 
 def snapshots() -> Any:
     """A Tune callback that seals Tune's state each time Tune saves it after a trial finished.
-    Tune saves (calls `get_state`) right after writing its experiment state to the driver's
-    staging folder, so the copy is consistent: the staging folder (fresh) over the experiment
-    folder `<out>/tune/<sweep>` (which Tune syncs from it now and then, and which holds the
-    `tuner.pkl` Tune wrote at the start). Tune keeps the callback in `tuner.pkl`, so it holds
-    no path: `<out>` is where Tune's storage is now."""
+    Tune calls `get_state` right after writing its experiment state to the driver's staging
+    folder, so the copy (staging over `<out>/tune/<sweep>`, which holds `tuner.pkl`) is
+    consistent. Tune pickles the callback into `tuner.pkl`, so it holds no path."""
     from ray.tune import Callback
 
     class Snapshots(Callback):  # type: ignore[misc]

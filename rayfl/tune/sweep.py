@@ -59,34 +59,21 @@ class TuneSettings:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A validated sweep: the base experiment, its overrides, the search space and Tune settings.
+    """A validated sweep: the base experiment, its overrides, the search space and Tune settings."""
 
-    Attributes:
-        name: The sweep's name (Tune experiment and MLflow parent run).
-        path: The sweep file.
-        base: The resolved base experiment file.
-        raw: The base experiment file as a nested dict (before overrides).
-        overrides: The sweep file's overrides, then the command line's base overrides.
-        space: Dotted config key -> `{kind: args}`, e.g. `{"algorithm.T": {"grid": [2, 4]}}`.
-        tune: The Tune settings.
-        config: The base experiment with all overrides, validated.
-    """
-
-    name: str
-    path: Path
-    base: Path
-    raw: dict[str, Any]
-    overrides: tuple[str, ...]
-    space: dict[str, dict[str, Any]]
+    name: str  # the Tune experiment and the MLflow parent run
+    path: Path  # the sweep file
+    base: Path  # the resolved base experiment file
+    raw: dict[str, Any]  # the base experiment file as a nested dict (before overrides)
+    overrides: tuple[str, ...]  # the sweep file's overrides, then the command line's
+    space: dict[str, dict[str, Any]]  # dotted config key -> {kind: args}
     tune: TuneSettings
-    config: RunConfig
+    config: RunConfig  # the base experiment with all overrides, validated
     description: str = ""
 
     def config_for(self, values: Mapping[str, Any]) -> RunConfig:
-        """The experiment of one trial: the base config with `values` (dotted key -> value) set.
-
-        Values win over overrides of the same key. Raises ConfigError when a value is invalid.
-        """
+        """One trial's experiment: the base config with `values` (dotted key -> value) set; they
+        win over overrides of the same key. A ConfigError when a value is invalid."""
         values = {k: _native(v) for k, v in values.items()}
         raw = apply_overrides(self.raw, [])
         overrides = [o for o in self.overrides if _override_key(o) not in values]
@@ -110,9 +97,6 @@ class Sweep:
             "space": self.space,
             "tune": settings,
         }
-
-
-# --------------------------------------------------------------------------- loading
 
 
 def _native(value: Any) -> Any:
@@ -199,21 +183,10 @@ def _probe_values(spec: dict[str, Any]) -> list[Any]:
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
-    """Load and validate a sweep file without running anything.
-
-    Every space key is checked by building the base experiment with each probe value of its
-    distribution (every grid/choice value, the bounds of ranges).
-
-    Args:
-        path: The sweep YAML.
-        overrides: `tune.*=`, `space.<key>=` and base `key=value` overrides (see the module doc).
-
-    Returns:
-        The validated sweep.
-
-    Raises:
-        ConfigError: An unknown or invalid key or value, naming it (`space.<key>: ...`).
-    """
+    """Load and validate a sweep file (with `tune.*=`, `space.<key>=` and base `key=value`
+    overrides, see the module doc) without running anything. Every space key is checked by
+    building the base experiment with each probe value of its distribution; a ConfigError names
+    an unknown or invalid key or value (`space.<key>: ...`)."""
     path = Path(path)
     doc = read_yaml(path, "sweep file")
     for key in doc:
@@ -306,41 +279,30 @@ def ranking_metric(metric: str, config: RunConfig) -> str:
 
 
 def _check_settings(t: TuneSettings) -> None:
-    require(t.num_samples >= 1, "tune.num_samples", f"must be at least 1 (got {t.num_samples})")
-    require(
-        t.max_concurrent >= 1, "tune.max_concurrent", f"must be at least 1 (got {t.max_concurrent})"
-    )
-    require(
-        t.grace_period >= 1, "tune.grace_period", f"must be at least 1 round (got {t.grace_period})"
-    )
-    require(
-        t.reduction_factor > 1, "tune.reduction_factor", f"must be > 1 (got {t.reduction_factor})"
-    )
-    require(t.trial_cpus > 0, "tune.trial_cpus", f"must be > 0 (got {t.trial_cpus})")
+    checks = {
+        "num_samples": (t.num_samples >= 1, "must be at least 1"),
+        "max_concurrent": (t.max_concurrent >= 1, "must be at least 1"),
+        "grace_period": (t.grace_period >= 1, "must be at least 1 round"),
+        "reduction_factor": (t.reduction_factor > 1, "must be > 1"),
+        "trial_cpus": (t.trial_cpus > 0, "must be > 0"),
+    }
+    for key, (ok, need) in checks.items():
+        require(ok, f"tune.{key}", f"{need} (got {getattr(t, key)})")
     require(t.verbose in (0, 1, 2, 3), "tune.verbose", "must be 0, 1, 2 or 3")
-
-
-# --------------------------------------------------------------------------- search space & resources
 
 
 def search_space(space: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Tune's `param_space` for the sweep's space (flat: dotted keys stay keys)."""
     from ray import tune
 
-    out: dict[str, Any] = {}
-    for key, spec in space.items():
-        kind, args = next(iter(spec.items()))
-        if kind == "grid":
-            out[key] = tune.grid_search(list(args))
-        elif kind == "choice":
-            out[key] = tune.choice(list(args))
-        elif kind == "uniform":
-            out[key] = tune.uniform(*args)
-        elif kind == "loguniform":
-            out[key] = tune.loguniform(*args)
-        else:  # randint: Tune's upper bound is exclusive, ours inclusive
-            out[key] = tune.randint(args[0], args[1] + 1)
-    return out
+    kinds: dict[str, Any] = {
+        "grid": lambda a: tune.grid_search(list(a)),
+        "choice": lambda a: tune.choice(list(a)),
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+        "randint": lambda a: tune.randint(a[0], a[1] + 1),  # Tune's upper bound is exclusive
+    }
+    return {key: kinds[kind](args) for key, spec in space.items() for kind, args in spec.items()}
 
 
 def num_trials(sweep: Sweep) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError, UserError, suggest
 from rayfl.schema import RunConfig
-from rayfl.tune.sweep import Sweep, _probe_values
+from rayfl.tune.sweep import Sweep
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,11 @@ def trial_shapes(cfg: RunConfig, room: Mapping[str, float] | None = None) -> lis
 def trial_bundles(
     cfg: RunConfig, trial_cpus: float, room: Mapping[str, float] | None = None
 ) -> list[dict[str, float]]:
-    """The placement-group bundles one trial (a sweep's trial, a suite's run) reserves.
-
-    With `engine.executor=serial` the trial process trains every client itself, so it reserves one
-    worker's resources. With `ray` it reserves `trial_cpus` for its own (mostly waiting) process,
-    one bundle per worker actor (`trial_shapes`), and one for the server actor when that asks
-    for resources; the actors the trial starts land in these bundles, so concurrent trials never
-    oversubscribe.
-
-    Example:
-        >>> from rayfl.config import build_config
-        >>> cfg = build_config({"algorithm": {"name": "local"}}, ["engine.num_workers=2"])
-        >>> trial_bundles(cfg, 0.5)
-        [{'CPU': 0.5}, {'CPU': 1.0}, {'CPU': 1.0}]
-    """
+    """The placement-group bundles one trial (a sweep's trial, a suite's run) reserves: with
+    `engine.executor=serial` one worker's resources (the trial trains every client itself); with
+    `ray`, `trial_cpus` for its own (mostly waiting) process, one bundle per worker actor
+    (`trial_shapes`) and one for the server actor when that asks for resources, so concurrent
+    trials never oversubscribe. E.g. `[{'CPU': 0.5}, {'CPU': 1.0}, {'CPU': 1.0}]`."""
     from rayfl.engine.pool import bundle
 
     e = cfg.engine
@@ -90,15 +81,10 @@ def _check_fits(sweep: Sweep, strict: bool) -> None:
             log.warning("%s; Tune waits for the autoscaler to add nodes", msg)
 
 
-# --------------------------------------------------------------------------- trials
-
-
 class TuneReport(Callback):
-    """Reports every evaluated round's metrics to Tune (ASHA stops trials by `round`).
-
-    Rounds without the ranking metric (engine.eval_every > 1) are not reported: Tune refuses
-    results without it. Missing at the last round means a wrong `tune.metric`: that is an error.
-    """
+    """Reports every evaluated round's metrics to Tune (ASHA stops trials by `round`). Rounds
+    without the ranking metric (engine.eval_every > 1) are not reported: Tune refuses results
+    without it. Missing at the last round means a wrong `tune.metric`: that is an error."""
 
     def __init__(self, metric: str, report: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.metric = metric
@@ -171,8 +157,7 @@ def continue_run(
 ) -> Any:
     """Run `cfg` in `run_dir` (a sweep's trial, a suite's run), or continue it there: from its
     checkpoint when it has one, else from round 1, replacing what an earlier attempt left (its
-    MLflow run deleted, only in the store `cfg` names, so the parent keeps one child per run).
-    """
+    MLflow run deleted, only in the store `cfg` names, so the parent keeps one child per run)."""
     from rayfl import gate
     from rayfl.engine.checkpoint import has_checkpoint
     from rayfl.engine.rundir import MLFLOW_RUN, check_mlflow_ref
@@ -221,14 +206,3 @@ def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None])
         if row.get(metric) is not None:
             report({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
     return got is not None
-
-
-def _trial_name(trial: Any) -> str:
-    return f"trial_{trial.trial_id}"
-
-
-def _max_rounds(sweep: Sweep) -> int:
-    spec = sweep.space.get("engine.rounds")
-    if spec is None:
-        return sweep.config.engine.rounds
-    return int(max(_probe_values(spec)))

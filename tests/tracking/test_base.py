@@ -11,9 +11,7 @@ import pytest
 
 from rayfl.errors import ConfigError
 from rayfl.tracking import Tracker, default_tracking_uri, flatten_config, make_tracker
-from rayfl.tracking.base import check_status, plain
-from rayfl.tracking.null import NullTracker
-from rayfl.tracking.stdout import StdoutTracker, format_metrics
+from rayfl.tracking.base import NullTracker, StdoutTracker, check_status, format_metrics, plain
 
 
 class Mode(enum.Enum):
