@@ -121,6 +121,7 @@ def timed(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float
 
 
 def compare(args: argparse.Namespace) -> int:
+    load = os.getloadavg()  # before anything of the comparison runs
     out = Path(args.out or tempfile.mkdtemp(prefix="rayfl-flower-"))
     out.mkdir(parents=True, exist_ok=True)
     python = install(out / "flwr-env")
@@ -154,7 +155,7 @@ def compare(args: argparse.Namespace) -> int:
         "flower": FLOWER,
         "repetitions": rows,
         "median_flower_over_rayfl": statistics.median(ratios),
-        "load_average_at_start": os.getloadavg(),
+        "load_average_at_start": load,
     }
     (out / "flower.json").write_text(json.dumps(summary, indent=2))
     print(f"{'rep':>3} {'rayfl s':>8} {'flower s':>9} {'flower/rayfl':>12}")
