@@ -18,18 +18,16 @@ PERSONAL = "personal/acc"
 AT_BEST_VAL = "at_best_val/personal/acc"
 ARCH_PREFIX = "personal/acc/arch="
 DOMAIN_PREFIX = "personal/acc/domain="  # a federation with domains (`data.domains`)
-ID_COLUMNS = tuple(
-    [
-        "setting",
-        "label",
-        "algorithm",
-        "seed",
-        "status",
-        "rounds",
-        "run_dir",
-        "mlflow_run_id",
-        "error",
-    ]
+ID_COLUMNS = (
+    "setting",
+    "label",
+    "algorithm",
+    "seed",
+    "status",
+    "rounds",
+    "run_dir",
+    "mlflow_run_id",
+    "error",
 )
 
 
