@@ -205,14 +205,20 @@ def flower(spec_path: str, data_path: str) -> None:
         ).view(view)
         return x, torch.from_numpy(d["y"][idx].astype(np.int64))
 
+    def received(
+        msg: Message, context: Context, split: str
+    ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        """The broadcast model and this node's `split` of the data."""
+        x, y = client_data(int(context.node_config["partition-id"]), split)
+        net = model()
+        net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        return net, x, y
+
     client = ClientApp()
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        cid = int(context.node_config["partition-id"])
-        x, y = client_data(cid, "train")
-        net = model()
-        net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        net, x, y = received(msg, context, "train")
         opt = torch.optim.SGD(net.parameters(), lr=spec["lr"])
         loss_fn = nn.CrossEntropyLoss()
         net.train()
@@ -234,10 +240,7 @@ def flower(spec_path: str, data_path: str) -> None:
 
     @client.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        cid = int(context.node_config["partition-id"])
-        x, y = client_data(cid, "test")
-        net = model()
-        net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        net, x, y = received(msg, context, "test")
         net.eval()
         with torch.no_grad():
             correct = sum(
