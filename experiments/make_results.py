@@ -251,8 +251,8 @@ def plan_section(table: Any) -> list[str]:
         f"{', '.join(map(str, table.seeds()))}; metric `{spec['metric']}`.",
         f"- Parts done: {len(parts)} of {len(table.parts())}"
         + (f" (missing: {', '.join(missing)})" if missing else "")
-        + f"; a part is ~{table.part_cost_s() / 3600:.1f} core-hours (estimate from measured "
-        "seconds per round).",
+        + f"; a part is up to ~{table.max_part_cost_s() / 3600:.1f} core-hours (estimate from "
+        "measured seconds per round).",
         f"- Code: commit{'s' if len(commits) > 1 else ''} "
         f"{', '.join(f'`{c}`' for c in commits) or '–'}.",
         f"- Command: `python3 experiments/results_plan.py run {table.name}` (runs only the "

@@ -8,7 +8,8 @@ missing.
     python3 experiments/make_results.py                         # docs/results.md from the files
 
 The tables are declared in `experiments/results_plan.yaml`. A part is one setting and one seed
-of a table: every method of the suite on the same partition, run by `rayfl compare` with the
+of a table (and one group of its methods, where the table declares `groups:` to keep a part near
+an hour of one core): the suite's methods on the same partition, run by `rayfl compare` with the
 serial executor (the Ray executor's numbers, by the determinism contract) with one torch thread
 for the server step as for the clients, `--jobs` parts at a time (one core each; two jobs use
 both cores of a 2-core machine; two threads each would oversubscribe the cores, and a small
@@ -19,7 +20,7 @@ holds each run's final metrics, its per-round history of the table's metric, the
 per-client table and the code commit; checkpoints and models stay out of it.
 
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
-`sum over methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
+`sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
 of everything started so far fits in `H x jobs` core-hours.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -75,16 +77,31 @@ class Table:
     def seeds(self) -> list[int]:
         return list(self.spec["seeds"])
 
+    def groups(self) -> dict[str, list[str]]:
+        """The method groups a setting and seed splits into (`groups:`), each its own part so
+        that a part stays near an hour of one core; one unnamed group of every method without."""
+        return {
+            str(k): list(v) for k, v in (self.spec.get("groups") or {"": self.methods()}).items()
+        }
+
     def parts(self) -> list[str]:
-        """`<setting>-s<seed>`, seed-major: every setting's seed 0 before any seed 1."""
-        return [part_name(x, s) for s in self.seeds() for x in self.settings()]
+        """`<setting>-s<seed>[-<group>]`, seed-major: every setting's seed 0 before any seed 1."""
+        return [
+            part_name(x, s, g) for s in self.seeds() for x in self.settings() for g in self.groups()
+        ]
 
     def methods(self) -> list[str]:
         return list(self.spec["round_s"])
 
-    def part_cost_s(self) -> float:
-        """One part's estimated core-seconds: every method's measured round time x rounds."""
-        return sum(float(s) for s in self.spec["round_s"].values()) * self.rounds
+    def part_methods(self, part: str) -> list[str]:
+        return self.groups()[split_part(part)[2]]
+
+    def part_cost_s(self, part: str) -> float:
+        """One part's estimated core-seconds: its methods' measured round times x rounds."""
+        return sum(float(self.spec["round_s"][m]) for m in self.part_methods(part)) * self.rounds
+
+    def max_part_cost_s(self) -> float:
+        return max(self.part_cost_s(p) for p in self.parts())
 
     def missing(self) -> list[str]:
         """The parts without a result file yet."""
@@ -94,8 +111,10 @@ class Table:
         return RESULTS / self.name / f"{part}.json"
 
     def command(self, part: str) -> list[str]:
-        setting, seed = split_part(part)
+        setting, seed, group = split_part(part)
         select = [f"seeds=[{seed}]"] + ([f"settings=[{setting}]"] if setting else [])
+        if group:
+            select.append(f"algorithms=[{','.join(self.part_methods(part))}]")
         return [
             sys.executable,
             "-m",
@@ -111,13 +130,20 @@ class Table:
         ]
 
 
-def part_name(setting: str, seed: int) -> str:
-    return f"{setting}-s{seed}" if setting else f"s{seed}"
+def part_name(setting: str, seed: int, group: str = "") -> str:
+    name = f"{setting}-s{seed}" if setting else f"s{seed}"
+    return f"{name}-{group}" if group else name
 
 
-def split_part(part: str) -> tuple[str, int]:
-    setting, _, seed = part.rpartition("s")
-    return setting.rstrip("-"), int(seed)
+PART = re.compile(r"^(?:(?P<setting>.+)-)?s(?P<seed>\d+)(?:-(?P<group>[a-z_]+))?$")
+
+
+def split_part(part: str) -> tuple[str, int, str]:
+    """(setting, seed, group) of a part's name; the inverse of `part_name`."""
+    m = PART.match(part)
+    if m is None:
+        raise ValueError(f"not a part name: {part!r} (expected [<setting>-]s<seed>[-<group>])")
+    return m["setting"] or "", int(m["seed"]), m["group"] or ""
 
 
 def matches(key: str, patterns: Sequence[str]) -> bool:
@@ -162,7 +188,7 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
     if not (out / "runs.parquet").is_file():
         return None
     rows = pq.read_table(out / "runs.parquet").to_pylist()
-    if len(rows) < len(table.methods()) or any(r["status"] != "FINISHED" for r in rows):
+    if len(rows) < len(table.part_methods(part)) or any(r["status"] != "FINISHED" for r in rows):
         return None
     wanted = [table.spec["metric"], "time/round_s", *table.spec.get("history", [])]
     runs = []
@@ -190,12 +216,13 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
                 "clients": _final_clients(run_dir),
             }
         )
-    setting, seed = split_part(part)
+    setting, seed, group = split_part(part)
     return {
         "table": table.name,
         "part": part,
         "setting": setting,
         "seed": seed,
+        "group": group,
         "commit": code,
         "command": " ".join(table.command(part)[2:]).replace("rayfl.cli", "rayfl", 1),
         "wall_s": round(wall_s),
@@ -224,11 +251,11 @@ def status(tables: Sequence[Table], jobs: int) -> list[str]:
     lines, left = [], 0.0
     for t in tables:
         missing = t.missing()
-        left += len(missing) * t.part_cost_s()
+        left += sum(t.part_cost_s(p) for p in missing)
         lines.append(
-            f"{t.name}: {len(t.parts()) - len(missing)}/{len(t.parts())} parts done; a part ~"
-            f"{t.part_cost_s() / 3600:.2f} core-hours ({len(t.methods())} methods x "
-            f"{t.rounds} rounds); missing: {', '.join(missing) or '-'}"
+            f"{t.name}: {len(t.parts()) - len(missing)}/{len(t.parts())} parts done; a part up to"
+            f" ~{t.max_part_cost_s() / 3600:.2f} core-hours ({len(t.methods())} methods in "
+            f"{len(t.groups())} group(s) x {t.rounds} rounds); missing: {', '.join(missing) or '-'}"
         )
     lines.append(f"left: ~{left / 3600:.1f} core-hours, ~{left / 3600 / jobs:.1f} h at {jobs} jobs")
     return lines
@@ -244,9 +271,9 @@ def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = 
 
     chosen, spent = [], 0.0
     for t, p in todo:
-        if spent + t.part_cost_s() <= budget:
+        if spent + t.part_cost_s(p) <= budget:
             chosen.append((t, p))
-            spent += t.part_cost_s()
+            spent += t.part_cost_s(p)
     if not chosen:
         log("nothing to run within the budget" if todo else "every part is done")
         return 0

@@ -80,9 +80,9 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
         "round_s": {"a": 1, "b": 1, "m": 2},
     }
     table = results_plan.Table("t", spec)
-    assert table.parts() == ["x-s0", "x-s1", "x-s2"] and table.part_cost_s() == 8
-    assert results_plan.split_part("dir0.1-s2") == ("dir0.1", 2)
-    assert results_plan.split_part("s1") == ("", 1)
+    assert table.parts() == ["x-s0", "x-s1", "x-s2"] and table.part_cost_s("x-s1") == 8
+    assert results_plan.split_part("dir0.1-s2") == ("dir0.1", 2, "")
+    assert results_plan.split_part("s1") == ("", 1, "")
     original = results_plan.RESULTS
     results_plan.RESULTS = tmp_path
     try:
@@ -100,6 +100,22 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
     assert "| m | 2 | 87.0 ± 2.8 | +2.0 ± 0.7 | +2.0 ± 4.2 (2) | +5.0, -1.0 |" in text
 
 
+def test_a_table_with_method_groups_splits_each_setting_and_seed_into_group_parts():
+    import results_plan
+
+    spec = {"suite": "s.yaml", "rounds": 10, "seeds": [0, 1], "settings": ["dir0.1"]}
+    spec |= {"round_s": {"a": 1, "b": 2, "m": 30}, "groups": {"base": ["a", "b"], "new": ["m"]}}
+    table = results_plan.Table("t", spec)
+    assert table.parts() == ["dir0.1-s0-base", "dir0.1-s0-new", "dir0.1-s1-base", "dir0.1-s1-new"]
+    assert results_plan.split_part("dir0.1-s1-new") == ("dir0.1", 1, "new")
+    assert results_plan.part_name("dir0.1", 1, "new") == "dir0.1-s1-new"
+    # (1 + 2) x 10 and 30 x 10 core-seconds; the group's labels select its runs of the suite
+    assert table.part_cost_s("dir0.1-s0-base") == 30 and table.max_part_cost_s() == 300
+    command = table.command("dir0.1-s1-base")
+    assert "seeds=[1]" in command and "settings=[dir0.1]" in command
+    assert "algorithms=[a,b]" in command and command[-1].endswith("t/dir0.1-s1-base")
+
+
 def test_every_plan_table_names_its_suites_methods_and_settings(make_results):
     import results_plan
 
@@ -109,6 +125,8 @@ def test_every_plan_table_names_its_suites_methods_and_settings(make_results):
         suite = load_suite(table.suite)
         labels = {r.label for r in suite.runs}
         assert labels == set(table.methods()), table.name  # round_s prices every method
+        grouped = [m for g in table.groups().values() for m in g]
+        assert sorted(grouped) == sorted(table.methods()), table.name  # each method in one group
         assert set(table.spec["baselines"]) <= labels, table.name
         settings = {r.setting for r in suite.runs}
         assert {s for s in table.settings() if s} <= settings, table.name
