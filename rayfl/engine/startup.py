@@ -1,21 +1,13 @@
-"""A run's start-up clock, and Ray's start through its public `ray.init` options only.
+"""A run's start-up clock, and Ray's start through `ray.init`'s documented options only.
 
-Phases (seconds), one after another: `imports` (from the process start to the simulation:
-interpreter, imports, config), `data_load`, then `executor` (serial) or `ray_start`,
-`actors_launch` (asking Ray for the actors), `dataset_put` and `actors_ready` (Ray), and
-`first_round_at` (from the process start to the first round). They are logged at INFO and added
-to the first round's row as `time/startup/<phase>_s`.
+The clock's phases (`imports`, `data_load`, `executor` or `ray_start` ... `actors_ready`,
+`first_round_at`) go into the first round's row as `time/startup/<phase>_s`.
 
-Ray is started with its supported options (`ray.init`'s documented arguments) and stopped
-with `ray.shutdown()`; nothing of Ray's is patched and none of its processes is signalled by
-rayfl.
-
-No code from the working directory: Ray puts the driver's current directory (and its script's)
-first on every worker's `sys.path` unless the job has a `working_dir`, so a `json.py` or
-`rayfl.py` in the folder a command runs from would be imported by every worker. `init_ray`
-gives the job an empty `working_dir` (Ray then adds neither), and `setup_worker` moves each
-worker back to the driver's directory, which is thereby never on its path: relative paths
-mean in a worker what they mean in the driver. rayfl starts no child Python process.
+No code from the working directory: Ray puts the driver's current directory first on every
+worker's `sys.path` unless the job has a `working_dir`, so a `json.py` in the folder a command
+runs from would be imported by every worker. `init_ray` gives the job an empty `working_dir`,
+and `setup_worker` moves each worker back to the driver's directory: relative paths mean in a
+worker what they mean in the driver.
 """
 
 from __future__ import annotations
@@ -50,9 +42,6 @@ class StartupClock:
         self.origin = psutil.Process().create_time()  # wall clock, when the command started
         self.phases: dict[str, float] = {}
 
-    def since_start(self) -> float:
-        return time.time() - self.origin
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -63,7 +52,7 @@ class StartupClock:
 
     def mark(self, name: str) -> None:
         """Record `name` as the time from the process start to now."""
-        self.phases[name] = self.since_start()
+        self.phases[name] = time.time() - self.origin
 
     def metrics(self) -> dict[str, float]:
         return {f"time/startup/{k}_s": v for k, v in self.phases.items()}
@@ -73,10 +62,8 @@ class StartupClock:
 
 
 class _DropRayNotes(logging.Filter):
-    """Drops Ray's start-up notes that say nothing to a rayfl user: that `ray.init` off the main
-    thread sets no SIGTERM handler, and that the private local cluster it starts has token
-    authentication on (it is on; the cluster lives as long as the run). Matched by text, on the
-    handlers Ray's records reach, so no Ray module is named."""
+    """Drops Ray's start-up notes that say nothing to a rayfl user (no SIGTERM handler off the
+    main thread; token authentication on for the private cluster), matched by text."""
 
     def __init__(self, *fragments: str) -> None:
         super().__init__()
