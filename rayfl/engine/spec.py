@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections import Counter
 from collections.abc import Iterator
@@ -78,8 +79,6 @@ def keep_tensor_memory(mmap_mb: int = 64, trim_mb: int = 256) -> bool:
     trains or scores calls it): allocations up to `mmap_mb` come from the heap, and up to
     `trim_mb` of free heap stay mapped, so that batches do not map and fault in fresh pages each
     time. Returns False where the C library is not glibc (nothing is changed)."""
-    import ctypes
-
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):

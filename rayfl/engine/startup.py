@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import ray
 
+from rayfl import plugins
+from rayfl.clusterconfig import join_error
 from rayfl.errors import UserError
 
 if TYPE_CHECKING:
@@ -83,9 +85,7 @@ def worker_runtime_env() -> dict[str, Any]:
     """`ray.init`'s `runtime_env`: the plugins' (`rayfl.plugins.runtime_env`), an empty
     `working_dir` (filled in by `init_ray`) so that Ray puts no directory of the driver on the
     workers' `sys.path`, and `setup_worker` as every worker's first step."""
-    from rayfl.plugins import runtime_env
-
-    env = runtime_env()
+    env = plugins.runtime_env()
     return {
         **env,
         "worker_process_setup_hook": f"{__name__}.setup_worker",
@@ -96,12 +96,10 @@ def worker_runtime_env() -> dict[str, Any]:
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook`: the worker runs in the driver's directory (when this
     node has it), as it would without a `working_dir`, and imports the driver's plugins."""
-    from rayfl.plugins import setup_worker as import_plugins
-
     cwd = os.environ.get(DRIVER_CWD)
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    import_plugins()
+    plugins.setup_worker()
 
 
 def spill_dir(run_dir: str | Path) -> Path:
@@ -183,8 +181,6 @@ def init_ray(
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
         if not address:
             raise UserError(start_failure(exc, address)) from None
-        from rayfl.clusterconfig import join_error
-
         raise UserError(join_error(address, exc, os.environ)) from None
     except Exception as exc:  # Ray raises bare `Exception`s for a start that timed out
         raise UserError(start_failure(exc, address)) from None
