@@ -4,6 +4,7 @@ run directory, tracker; checkpoints are `rayfl.engine.checkpoint.Checkpoint`."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import sys
 import time
@@ -11,12 +12,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import ray
+import torch
 import yaml
 
+from rayfl.data.federated import save_partition
 from rayfl.engine.hooks import Callback
 from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, to_dict
-from rayfl.tables import strict_json, write_table
+from rayfl.tables import read_table, strict_json, write_table
 from rayfl.tracking.plots import plot_run
 from rayfl.version import __version__
 
@@ -61,9 +66,8 @@ class ProgressBar(Callback):
     `r4 eval 37/50` (redrawn at most every `redraw_s` seconds, and at the end of each phase)."""
 
     def __init__(
-        self, desc: str = "", stream: Any = None, plain: bool | None = None, redraw_s: float = 0.2
+        self, stream: Any = None, plain: bool | None = None, redraw_s: float = 0.2
     ) -> None:
-        self.desc = desc
         self.stream = stream
         self.plain = plain
         self.redraw_s = redraw_s
@@ -78,8 +82,6 @@ class ProgressBar(Callback):
     @staticmethod
     def wants_plain(stream: Any) -> bool:
         """No terminal, or a terminal that reports zero columns."""
-        import os
-
         try:
             if not stream.isatty():
                 return True
@@ -100,7 +102,7 @@ class ProgressBar(Callback):
         self.bar = tqdm(
             total=sim.cfg.engine.rounds,
             initial=sim.start_round - 1,
-            desc=self.desc or sim.cfg.algorithm.name,
+            desc=sim.cfg.algorithm.name,
             unit="round",
             file=stream,
             dynamic_ncols=True,
@@ -151,11 +153,10 @@ class ProgressBar(Callback):
                 print(warning, file=self.stream, flush=True)
         if self.bar is None:
             del post["round"]
-            name = self.desc or sim.cfg.algorithm.name
             elapsed = time.perf_counter() - self._start
             text = "  ".join(f"{k} {v}" for k, v in post.items())
             print(
-                f"{name} round {round_idx}/{sim.cfg.engine.rounds}  {text}  elapsed {elapsed:.0f}s",
+                f"{sim.cfg.algorithm.name} round {round_idx}/{sim.cfg.engine.rounds}  {text}  elapsed {elapsed:.0f}s",
                 file=self.stream,
                 flush=True,
             )
@@ -170,16 +171,12 @@ class ProgressBar(Callback):
 
 
 def versions() -> dict[str, str]:
-    import numpy
-    import ray
-    import torch
-
     return {
         "rayfl": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "numpy": numpy.__version__,
+        "numpy": np.__version__,
     }
 
 
@@ -199,13 +196,9 @@ class RunDirectory(Callback):
         self._clients_before: list[dict[str, Any]] = []  # a resumed run's earlier rounds
 
     def on_run_start(self, sim: Simulation) -> None:
-        from rayfl.data.federated import save_partition
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._opened = True
         if sim.start_round > 1 and (self.run_dir / CLIENTS_FILE).is_file():
-            from rayfl.tables import read_table
-
             self._clients_before = [
                 r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round
             ]
@@ -271,8 +264,6 @@ def write_metrics(history: list[dict[str, float]], path: Path) -> None:
 def dataset_views(sim: Simulation) -> list[tuple[str, str, Any, Any]]:
     """(name, context, inputs, labels) of the data a run uses: every sample some client holds
     (train and local test splits) and the server's test set."""
-    import numpy as np
-
     fed = sim.federation
     used = np.sort(np.concatenate([np.concatenate([c.train, c.test, c.val]) for c in fed.clients]))
     ds, name = fed.dataset, sim.cfg.data.dataset

@@ -26,6 +26,7 @@ before it is parsed; the manifest's checksums then vouch for every state file.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -155,8 +156,6 @@ def write_file(path: Path, data: bytes) -> None:
 
 def state_bytes(state: Any) -> bytes:
     """A state as the bytes of an ``.npz`` file (arrays plus the JSON tree as uint8)."""
-    import io
-
     tree, arrays = encode_state(state)
     buf = io.BytesIO()
     meta = np.frombuffer(json.dumps(tree, allow_nan=False).encode(), dtype=np.uint8)
@@ -173,8 +172,6 @@ def load_state(path: Path | IO[bytes]) -> Any:
 
 def state_from_bytes(data: bytes) -> Any:
     """A state from the bytes of its ``.npz`` file, loaded with ``allow_pickle=False``."""
-    import io
-
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         if _TREE not in z.files:
             raise ValueError("no state tree")

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from rayfl.errors import require
+from rayfl.models.base import build_model
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
@@ -62,11 +66,6 @@ class RoundPlan:
 
 def forward_flops(arch: str, in_shape: Sequence[int], num_classes: int) -> float:
     """FLOPs of one sample's forward pass through architecture `arch` (counted, not timed)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from rayfl.models.base import build_model
-
     model = build_model(arch, in_shape, num_classes).eval()
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
@@ -222,8 +221,6 @@ def check_arch_names(cfg: RunConfig, archs: Sequence[str]) -> None:
     Raises:
         ConfigError: one line naming the key and the run's architectures.
     """
-    from rayfl.errors import require
-
     present = sorted(set(archs))
     for key, mapping in (
         ("engine.resources_by_arch", cfg.engine.resources_by_arch),

@@ -26,7 +26,7 @@ from rayfl.checks import check_algorithm_fits
 from rayfl.data.federated import Federation, prepare_federation
 from rayfl.engine.checkpoint import Restored
 from rayfl.engine.devices import Devices, RoundPlan, check_arch_names
-from rayfl.engine.executor import Executor, SerialExecutor
+from rayfl.engine.executor import SerialExecutor
 from rayfl.engine.hooks import Callback
 from rayfl.engine.metrics import (
     SCORE_KEYS,
@@ -144,7 +144,7 @@ class Simulation:
         self.start_round = 1
         self.wall_before = 0.0  # the wall time of the pieces before a resume
         self.last_clients: list[int] = []
-        self.executor: Executor | None = None
+        self.executor: SerialExecutor | RayExecutor | None = None
         self._pending: _Pending | None = None
         self._stop = False
         # client -> (digest of the payload it was scored with, its evaluation row)

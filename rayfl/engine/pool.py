@@ -1,144 +1,64 @@
-"""The client workers' actors: how many a run gets (`plan_workers`), their class (`ClientWorker`),
-their start (`start_workers`) and the dispatch of a round's clients over them
+"""The client workers' actors (`rayfl.engine.worker.ClientWorker`): how many a run gets
+(`plan_workers`), their start (`start_workers`) and the dispatch of a round's clients over them
 (`WorkerPool.dispatch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import ray
+from ray.autoscaler.sdk import request_resources
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayfl.engine.executor import batches
+from rayfl.engine.worker import ClientWorker
 from rayfl.errors import UserError
+from rayfl.models.families import family_from_config
 from rayfl.resources import check_fits, fit_pools, worker_capacity
-from rayfl.schema import EngineConfig, Resources
-
-if TYPE_CHECKING:
-    from rayfl.algorithms.base import Payload
-    from rayfl.engine.worker import ClientMetrics, ClientRunner
+from rayfl.schema import EngineConfig, Resources, clients_per_round
 
 log = logging.getLogger(__name__)
 
 
-class ClientWorker:
-    """Ray actor around a `rayfl.engine.worker.ClientRunner`; created with
-    `ray.remote(ClientWorker).options(...)` (`start_workers`).
-
-    Every call carries `setup`, `[ObjectRef of the RunSpec, ObjectRef of the Federation]` (in a
-    list, so Ray does not resolve them for each call): an actor that Ray restarted after a
-    crash (`max_restarts`) comes back without its runner and builds it from them before it
-    re-runs the call (`max_task_retries`). The client states travel with the call, so the
-    re-run gives the same numbers."""
-
-    runner: ClientRunner
-
-    def __init__(self) -> None:
-        # Started without spec and data, the process imports torch while the driver puts the
-        # dataset; the first call then sets it up.
-        import rayfl.engine.worker  # noqa: F401
-
-    def setup(self, setup: list[Any]) -> None:
-        """Build the runner from `setup` unless it is built."""
-        if getattr(self, "runner", None) is not None:
-            return
-        from rayfl.engine.spec import resolve_device
-        from rayfl.engine.worker import ClientRunner
-
-        spec, federation = ray.get(setup)
-        # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
-        self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
-
-    def fit(
-        self,
-        setup: list[Any],
-        round_idx: int,
-        client_ids: list[int],
-        payload_refs: dict[str, Any],
-        evaluate: bool,
-        *states: Payload | None,
-    ) -> tuple[Any, ...]:
-        self.setup(setup)
-        keys = list(payload_refs)
-        values = ray.get([payload_refs[k] for k in keys]) if keys else []
-        metrics, replies, new_states = self.runner.fit(
-            round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
-        )
-        return (metrics, replies, *new_states)
-
-    def evaluate(
-        self,
-        setup: list[Any],
-        round_idx: int,
-        client_ids: list[int],
-        payload_refs: dict[str, Any],
-        *states: Payload | None,
-    ) -> list[ClientMetrics]:
-        self.setup(setup)
-        keys = list(payload_refs)
-        values = ray.get([payload_refs[k] for k in keys]) if keys else []
-        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
-
-    def info(self, setup: list[Any]) -> dict[str, Any]:
-        import torch
-
-        self.setup(setup)
-        ctx = ray.get_runtime_context()
-        return {
-            "pid": os.getpid(),
-            "node_id": ctx.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device": str(self.runner.device),
-            "torch_threads": torch.get_num_threads(),
-            "resources": dict(ctx.get_assigned_resources()),
-            # peak GPU memory this worker's training allocated (0 on the CPU)
-            "cuda_max_memory_mb": (
-                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
-                if self.runner.device.type == "cuda"
-                else 0.0
-            ),
-        }
-
-
 @dataclass
 class WorkerPool:
-    """What `start_workers` started: `num_workers` actors, `shapes[i]` the reservation of
-    `actors[i]` (one pool per resource shape: `engine.resources_by_arch`)."""
+    """What `start_workers` started: `shapes[i]` is the reservation of `actors[i]`, `shape_of[c]`
+    client c's (one pool per resource shape: `engine.resources_by_arch`)."""
 
-    num_workers: int
+    e: EngineConfig
     actors: list[Any]
     shapes: list[Resources]
+    shape_of: list[Resources]
     server_options: dict[str, Any]  # where the server actor goes (`pinned`)
-    placements: dict[int, int] = field(default_factory=dict)  # client -> worker that last ran it
 
     def dispatch(
         self,
-        e: EngineConfig,
         round_idx: int,
         order: Sequence[int],
-        shape_of: Sequence[Resources],
         states: Mapping[int, Any],
-        submit: Callable[[Any, list[int], list[Any]], tuple[Any, Any]],
+        submit: Callable[[Any, list[int], list[Any]], Any],
         record: Callable[[list[int], Any], None],
         deadline: float | None = None,
     ) -> None:
         """Run the clients in `order` in batches of `engine.clients_per_call`, each on whichever
-        actor of its clients' shape (`shape_of[c]`) is free: `submit(actor, batch, their
-        states)` returns the ObjectRef to wait on and a handle, `record(batch, handle)` takes
+        actor of its clients' shape is free: `submit(actor, batch, their states)` returns the
+        call's ObjectRef (or list of them, the first one waited on), `record(batch, it)` takes
         the result. At the `deadline` the calls still running are cancelled and the batches not
         started dropped. A UserError when an actor died more often than Ray re-runs a call."""
+        e = self.e
         by_shape: dict[Any, list[int]] = {}
         for c in order:
-            by_shape.setdefault(shape_of[c], []).append(c)
+            by_shape.setdefault(self.shape_of[c], []).append(c)
         size = e.clients_per_call
         pending = {shape: deque(batches(ids, size)) for shape, ids in by_shape.items()}
         idle: dict[Any, deque[int]] = {}
@@ -150,8 +70,8 @@ class WorkerPool:
                 free = idle.get(shape)
                 while free and queue:
                     index, batch = free.popleft(), queue.popleft()
-                    ref, handle = submit(self.actors[index], batch, [states.get(c) for c in batch])
-                    self.placements.update(dict.fromkeys(batch, index))
+                    handle = submit(self.actors[index], batch, [states.get(c) for c in batch])
+                    ref = handle[0] if isinstance(handle, list) else handle
                     running[ref] = (index, batch, handle)
             if not running:
                 return
@@ -193,8 +113,9 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
     Ray restarts a worker that dies (`max_restarts=-1`: as often as needed) and re-runs the
     call it was running up to `engine.max_retries` times (`max_task_retries`); a call that
     fails more often surfaces as `RayActorError` (rayfl.engine.ray_executor)."""
+    shape_of = arch_shapes(e, archs)
     if e.resources_by_arch:
-        sizes = fit_pools(e, per_round, arch_shapes(e, archs), ray.cluster_resources())
+        sizes = fit_pools(e, per_round, shape_of, ray.cluster_resources())
     else:
         sizes = {e.worker_resources: plan_workers(e, per_round)}
     shapes = [shape for shape, count in sizes.items() for _ in range(count)]
@@ -210,7 +131,7 @@ def start_workers(e: EngineConfig, per_round: int, archs: Sequence[str] = ()) ->
             **options,
         )
         actors.append(cls.remote())
-    return WorkerPool(len(actors), actors, shapes, where[-1] if server else {})
+    return WorkerPool(e, actors, shapes, shape_of, where[-1] if server else {})
 
 
 def pinned(requests: Sequence[Resources]) -> list[dict[str, Any]]:
@@ -219,9 +140,6 @@ def pinned(requests: Sequence[Resources]) -> list[dict[str, Any]]:
     bundles are `rayfl.tune.trial.trial_bundles`: this process's, then one per actor). Left to
     any bundle, Ray may take an actor's CPU from one bundle and its GPU from another, so that no
     bundle still fits the next actor and it waits for ever."""
-    from ray.util.placement_group import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     pg = get_current_placement_group()
     if pg is None:
         return [{} for _ in requests]
@@ -248,11 +166,6 @@ def run_shapes(cfg: Any, total: Mapping[str, float], one_each: bool = False) -> 
     """The reservation of each worker that a run of `cfg` (a `RunConfig` with
     `engine.resources_by_arch`) gets from `total`, one entry per worker; `one_each`: one worker
     per shape unless `engine.num_workers` asks for more (a Tune trial's default)."""
-    import dataclasses
-
-    from rayfl.models.families import family_from_config
-    from rayfl.schema import clients_per_round
-
     e = cfg.engine
     archs = family_from_config(cfg.model.family, cfg.model.architectures).assign(
         cfg.data.num_clients, cfg.model.proportions
@@ -274,8 +187,6 @@ def wait_for_resources(e: EngineConfig, per_round: int, poll_s: float = 2.0) -> 
     server and wait up to `engine.wait_for_resources_s` until at least the workers the run needs
     (`engine.num_workers`, else one) fit: GPU nodes of an autoscaling cluster start at zero.
     Returns the cluster's resources; raises UserError when the time runs out."""
-    from ray.autoscaler.sdk import request_resources
-
     required = e.num_workers or 1
     total = ray.cluster_resources()
     if worker_capacity(e, total) >= required:

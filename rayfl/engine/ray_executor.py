@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -21,10 +21,9 @@ from typing import Any
 
 import ray
 
-from rayfl.algorithms.base import Payload
 from rayfl.data.federated import Federation
 from rayfl.engine.executor import Executor, StateView, longest_first
-from rayfl.engine.pool import arch_shapes, start_workers
+from rayfl.engine.pool import start_workers
 from rayfl.engine.server import ServerActor, ServerEvaluator, ServerRunner
 from rayfl.engine.spec import RunSpec, resolve_device
 from rayfl.engine.startup import StartupClock, init_ray_for_run
@@ -46,10 +45,6 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
-def _value_or_get(handle: Any) -> Any:
-    return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
-
-
 class RayExecutor(Executor):
     """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
     with an evaluation actor for its pipelined scoring.
@@ -68,8 +63,8 @@ class RayExecutor(Executor):
         clock: StartupClock | None = None,
         spill_dir: str | Path | None = None,
     ) -> None:
+        super().__init__(spec)
         e = spec.engine
-        self.spec = spec
         self.workers: list[Any] = []
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
@@ -77,7 +72,6 @@ class RayExecutor(Executor):
         self._server_ready: Any = None
         self._final_scoring: _Scoring | None = None
         self._scorer: ThreadPoolExecutor | None = None  # scores a driver server's models
-        self.states: dict[int, ray.ObjectRef] = {}
         # the last server state, owned by the driver: a restarted server starts from it
         self._server_state: Any = None
         self._clock = clock = clock or StartupClock()
@@ -86,7 +80,7 @@ class RayExecutor(Executor):
         try:
             with clock.phase("actors_launch"):
                 self.pool = start_workers(e, spec.per_round, spec.archs)
-                self.workers, self.placements = self.pool.actors, self.pool.placements
+                self.workers = self.pool.actors
                 res, where = e.server_resources, self.pool.server_options
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=res.num_cpus, num_gpus=res.num_gpus, **where
@@ -98,7 +92,6 @@ class RayExecutor(Executor):
                 self._evaluator_cls: Any = ray.remote(ServerEvaluator).options(
                     num_cpus=0, num_gpus=0, max_restarts=-1, max_task_retries=e.max_retries
                 )
-            self._shape_of = arch_shapes(e, spec.archs)  # client -> its pool's shape
             self._train_sizes = [len(c.train) for c in federation.clients]
             self._test_sizes = [len(c.test) for c in federation.clients]
             with clock.phase("dataset_put"):
@@ -119,8 +112,8 @@ class RayExecutor(Executor):
         log.info("Ray executor: %d workers", len(self.workers))
 
     def _await_ready(self, ready: list[Any]) -> None:
-        """Wait for the actors' setup calls `ready`: a setup error (e.g. no GPU) surfaces here,
-        as itself, then for every actor to answer (`_await_started`)."""
+        """Wait for the actors' setup calls `ready` (a setup error, e.g. no GPU, surfaces here as
+        itself), then for every actor to answer."""
         with self._clock.phase("actors_ready"):
             deadline = time.monotonic() + self.spec.engine.startup_timeout_s
             for ref in ready:
@@ -221,15 +214,14 @@ class RayExecutor(Executor):
     ) -> tuple[list[ClientMetrics], list[Any]]:
         """Batches of `engine.clients_per_call` clients, handed to whichever worker is free; the
         states travel as object references (the driver never holds them)."""
-        e = self.spec.engine
+        timeout = self.spec.engine.round_timeout_s
         metrics: list[ClientMetrics] = []
         reply_refs: list[Any] = []
 
-        def submit(worker: Any, batch: list[int], states: list[Any]) -> tuple[Any, Any]:
-            refs = worker.fit.options(num_returns=2 + len(batch)).remote(
+        def submit(worker: Any, batch: list[int], states: list[Any]) -> Any:
+            return worker.fit.options(num_returns=2 + len(batch)).remote(
                 self._setup, round_idx, batch, payloads, evaluate, *states
             )
-            return refs[0], refs
 
         def record(batch: list[int], refs: Any) -> None:
             metrics.extend(ray_get(refs[0]))
@@ -237,11 +229,9 @@ class RayExecutor(Executor):
             self.states.update(zip(batch, refs[2:]))
             self._report("fit", len(metrics), len(client_ids))
 
-        deadline = None if e.round_timeout_s is None else time.monotonic() + e.round_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         order = longest_first(client_ids, self._train_sizes)
-        self.pool.dispatch(
-            e, round_idx, order, self._shape_of, self.states, submit, record, deadline
-        )
+        self.pool.dispatch(round_idx, order, self.states, submit, record, deadline)
         return metrics, reply_refs
 
     def evaluate(
@@ -250,18 +240,15 @@ class RayExecutor(Executor):
         """As `fit`; evaluation changes no state."""
         rows: list[ClientMetrics] = []
 
-        def submit(worker: Any, batch: list[int], states: list[Any]) -> tuple[Any, Any]:
-            ref = worker.evaluate.remote(self._setup, round_idx, batch, payloads, *states)
-            return ref, ref
+        def submit(worker: Any, batch: list[int], states: list[Any]) -> Any:
+            return worker.evaluate.remote(self._setup, round_idx, batch, payloads, *states)
 
         def record(_: list[int], ref: Any) -> None:
             rows.extend(ray_get(ref))
             self._report("eval", len(rows), len(client_ids))
 
         order = longest_first(client_ids, self._test_sizes)
-        self.pool.dispatch(
-            self.spec.engine, round_idx, order, self._shape_of, self.states, submit, record
-        )
+        self.pool.dispatch(round_idx, order, self.states, submit, record)
         return rows
 
     def server_step(self, round_idx: int, replies: list[Any], evaluate: bool) -> dict[str, float]:
@@ -285,8 +272,6 @@ class RayExecutor(Executor):
         """The step now, its models scored meanwhile: by the evaluation actor (started on first
         use) while the next round's clients train, or, in the `final` round, by the server
         itself, idle from then on, while the clients evaluate."""
-        if not self.spec.engine.pipeline_eval:
-            return self.server_step(round_idx, replies, evaluate), None
 
         def call() -> tuple[dict[str, float], Any]:
             if self.local is not None:
@@ -339,13 +324,16 @@ class RayExecutor(Executor):
             log.warning("the server actor died while scoring its models; scoring them again")
             return ray_get(self._evaluate_remote(handle.models))
 
-    def _value(self, handle: Any) -> Any:
-        return ray_get(handle)
+    def _get(self, handle: Any) -> Any:
+        return ray_get(handle) if isinstance(handle, ray.ObjectRef) else handle
+
+    def _put(self, value: Any) -> Any:
+        return ray.put(value)
 
     def snapshot(self) -> StateView:
-        if self.local is not None:  # state_dict() is a fresh copy, as for the serial executor
-            return StateView(dict(self.states), self.local.state_dict(), _value_or_get)
-        return StateView(dict(self.states), self._server_state, ray_get)
+        # a driver server's state_dict() is a fresh copy, as for the serial executor
+        server = self._server_state if self.local is None else self.local.state_dict()
+        return StateView(dict(self.states), server, self._get)
 
     def _evaluate_remote(self, models: Any) -> Any:
         """The server's models scored by the evaluation actor (started on first use)."""
@@ -369,14 +357,6 @@ class RayExecutor(Executor):
             "load server state",
             lambda: ray_get(self.server.load_state_dict.remote(self._server_state)),
         )
-
-    def client_states(self, client_ids: Sequence[int]) -> Iterator[tuple[int, Payload]]:
-        for c in client_ids:
-            if c in self.states:
-                yield c, ray.get(self.states[c])
-
-    def load_client_state(self, client_id: int, state: Payload) -> None:
-        self.states[client_id] = ray.put(state)
 
     def close(self) -> None:
         for actor in [*self.workers, self.server, self.evaluator]:

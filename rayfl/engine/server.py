@@ -216,9 +216,8 @@ class ServerRunner:
     def _scored_copies(self) -> dict[str, nn.Module]:
         """Copies (on the CPU) of the models the step scores, for `step` itself and for whoever
         scores them later: scoring places a model in its fastest layout (`score_models`), and
-        the server's own models must keep theirs. FedFD's global model, placed channels-last by
-        an in-place scoring, distilled its next rounds in another order of sums, so
-        `engine.pipeline_eval=false` drifted from the pipelined run (tested)."""
+        the server's own models must keep theirs (a changed layout changes the order of later
+        sums, and so the numbers)."""
         return {name: copy.deepcopy(m).to("cpu") for name, m in self.server.eval_models().items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -260,14 +259,7 @@ class ServerEvaluator:
     clients train (`engine.pipeline_eval`): evaluation feeds no broadcast, so it need not hold
     up the round. Same data, batch size and threads as the server: same numbers."""
 
-    spec: RunSpec
-    data: EngineServerData
-
-    def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
-        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
-            self.setup(spec, federation)
-
-    def setup(self, spec: RunSpec, federation: Federation) -> None:
+    def __init__(self, spec: RunSpec, federation: Federation) -> None:
         keep_tensor_memory()
         self.spec = spec
         gpus = ray.get_gpu_ids()
@@ -278,9 +270,6 @@ class ServerEvaluator:
         with torch_threads(self.spec.server_threads):
             return score_models(models, self.data)
 
-    def device(self) -> str:
-        return str(self.data.device)
-
 
 class ServerActor:
     """Ray actor around a `ServerRunner`, reserving `engine.server_resources`."""
@@ -288,7 +277,7 @@ class ServerActor:
     runner: ServerRunner
 
     def __init__(self, spec: RunSpec | None = None, federation: Federation | None = None) -> None:
-        if spec is not None and federation is not None:  # else `setup` (rayfl.engine.startup)
+        if spec is not None and federation is not None:  # else `setup`, once the data is put
             self.setup(spec, federation)
 
     def setup(self, spec: RunSpec, federation: Federation) -> None:
@@ -297,9 +286,6 @@ class ServerActor:
     def broadcast(self, round_idx: int, archs: list[str]) -> tuple[Any, ...]:
         sizes, payloads = self.runner.broadcast(round_idx, archs)
         return (sizes, *payloads)
-
-    def step(self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]) -> dict[str, float]:
-        return self.runner.step(round_idx, reply_lists, evaluate)
 
     def step_deferred(
         self, round_idx: int, evaluate: bool, *reply_lists: list[Reply]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections import Counter
 from collections.abc import Iterator
@@ -12,12 +13,7 @@ from typing import Any
 import torch
 
 from rayfl.algorithms import ALGORITHMS
-from rayfl.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    RoundContext,
-    ServerContext,
-)
+from rayfl.algorithms.base import Algorithm, ClientContext, RoundContext, ServerContext
 from rayfl.errors import UserError
 from rayfl.schema import EngineConfig, TrainConfig
 
@@ -40,9 +36,8 @@ class RunSpec:
     # them here, so they need the spec alone, never the whole run config.
     engine: EngineConfig = field(default_factory=EngineConfig)
     per_round: int = 1  # clients sampled per round
-    local_baseline: bool = (
-        False  # also train a local-only shadow of each client (eval.local_baseline)
-    )
+    # also train a local-only shadow of each client (eval.local_baseline)
+    local_baseline: bool = False
     # also run the algorithm's own client cut off from the federation (eval.federation_control)
     federation_control: bool = False
     privacy: Any = None  # a `rayfl.privacy.PrivacyHook` when a protection is on
@@ -80,18 +75,10 @@ class RunSpec:
 
 
 def keep_tensor_memory(mmap_mb: int = 64, trim_mb: int = 256) -> bool:
-    """Let glibc's malloc keep freed tensor memory for reuse in this process: allocations up to
-    `mmap_mb` come from the heap, and up to `trim_mb` of free heap stay mapped. Every process
-    that trains or scores calls it, by way of the runners (`ClientRunner`, `ServerRunner`) and
-    the evaluation actor: a Ray actor, a driver that scores the server's models in a thread, or
-    one that runs the serial executor.
-
-    In Ray's worker processes glibc does not raise its mmap threshold as it does in a plain
-    process, so every evaluation batch maps fresh pages and faults them in, and a large share of
-    the evaluation's time goes to the kernel; a thread of a plain process (its own malloc arena)
-    is no better. Returns False where the C library is not glibc (nothing is changed)."""
-    import ctypes
-
+    """Let glibc's malloc keep freed tensor memory for reuse in this process (every process that
+    trains or scores calls it): allocations up to `mmap_mb` come from the heap, and up to
+    `trim_mb` of free heap stay mapped, so that batches do not map and fault in fresh pages each
+    time. Returns False where the C library is not glibc (nothing is changed)."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -114,12 +101,8 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def seed_torch(seed: int) -> None:
-    """`torch.manual_seed(seed)`, cheaply where the CPU generator is the only one.
-
-    `torch.manual_seed` also queues a seeding of every accelerator backend (CUDA, XPU, MTIA),
-    recording the caller's stack for each, a sizeable share of a small client's evaluation.
-    Without an accelerator only the CPU generator exists, and
-    seeding it alone is what `torch.manual_seed` does to it: the same numbers."""
+    """`torch.manual_seed(seed)`, seeding the CPU generator alone where it is the only one (the
+    same numbers, without queueing a seeding of every accelerator backend)."""
     if _has_accelerator():
         torch.manual_seed(seed)
     else:
@@ -132,11 +115,8 @@ def _has_accelerator() -> bool:
 
 
 def resolve_device(preference: str, gpu_ids: list | None = None) -> torch.device:
-    """The device for this process. Under Ray, `gpu_ids` are the GPUs Ray assigned to the actor.
-
-    Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for actors without a GPU share, so an actor that
-    was given no GPU must not pick one up just because CUDA is visible.
-    """
+    """The device for this process. Under Ray, `gpu_ids` are the GPUs Ray assigned to the actor:
+    an actor given no GPU picks none up, even where CUDA is visible."""
     has_cuda = torch.cuda.is_available()
     if preference == "cpu":
         return torch.device("cpu")

@@ -1,21 +1,13 @@
-"""A run's start-up clock, and Ray's start through its public `ray.init` options only.
+"""A run's start-up clock, and Ray's start through `ray.init`'s documented options only.
 
-Phases (seconds), one after another: `imports` (from the process start to the simulation:
-interpreter, imports, config), `data_load`, then `executor` (serial) or `ray_start`,
-`actors_launch` (asking Ray for the actors), `dataset_put` and `actors_ready` (Ray), and
-`first_round_at` (from the process start to the first round). They are logged at INFO and added
-to the first round's row as `time/startup/<phase>_s`.
+The clock's phases (`imports`, `data_load`, `executor` or `ray_start` ... `actors_ready`,
+`first_round_at`) go into the first round's row as `time/startup/<phase>_s`.
 
-Ray is started with its supported options (`ray.init`'s documented arguments) and stopped
-with `ray.shutdown()`; nothing of Ray's is patched and none of its processes is signalled by
-rayfl.
-
-No code from the working directory: Ray puts the driver's current directory (and its script's)
-first on every worker's `sys.path` unless the job has a `working_dir`, so a `json.py` or
-`rayfl.py` in the folder a command runs from would be imported by every worker. `init_ray`
-gives the job an empty `working_dir` (Ray then adds neither), and `setup_worker` moves each
-worker back to the driver's directory, which is thereby never on its path: relative paths
-mean in a worker what they mean in the driver. rayfl starts no child Python process.
+No code from the working directory: Ray puts the driver's current directory first on every
+worker's `sys.path` unless the job has a `working_dir`, so a `json.py` in the folder a command
+runs from would be imported by every worker. `init_ray` gives the job an empty `working_dir`,
+and `setup_worker` moves each worker back to the driver's directory: relative paths mean in a
+worker what they mean in the driver.
 """
 
 from __future__ import annotations
@@ -35,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import ray
 
+from rayfl import plugins
+from rayfl.clusterconfig import join_error
 from rayfl.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,9 +44,6 @@ class StartupClock:
         self.origin = psutil.Process().create_time()  # wall clock, when the command started
         self.phases: dict[str, float] = {}
 
-    def since_start(self) -> float:
-        return time.time() - self.origin
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -63,7 +54,7 @@ class StartupClock:
 
     def mark(self, name: str) -> None:
         """Record `name` as the time from the process start to now."""
-        self.phases[name] = self.since_start()
+        self.phases[name] = time.time() - self.origin
 
     def metrics(self) -> dict[str, float]:
         return {f"time/startup/{k}_s": v for k, v in self.phases.items()}
@@ -73,10 +64,8 @@ class StartupClock:
 
 
 class _DropRayNotes(logging.Filter):
-    """Drops Ray's start-up notes that say nothing to a rayfl user: that `ray.init` off the main
-    thread sets no SIGTERM handler, and that the private local cluster it starts has token
-    authentication on (it is on; the cluster lives as long as the run). Matched by text, on the
-    handlers Ray's records reach, so no Ray module is named."""
+    """Drops Ray's start-up notes that say nothing to a rayfl user (no SIGTERM handler off the
+    main thread; token authentication on for the private cluster), matched by text."""
 
     def __init__(self, *fragments: str) -> None:
         super().__init__()
@@ -96,9 +85,7 @@ def worker_runtime_env() -> dict[str, Any]:
     """`ray.init`'s `runtime_env`: the plugins' (`rayfl.plugins.runtime_env`), an empty
     `working_dir` (filled in by `init_ray`) so that Ray puts no directory of the driver on the
     workers' `sys.path`, and `setup_worker` as every worker's first step."""
-    from rayfl.plugins import runtime_env
-
-    env = runtime_env()
+    env = plugins.runtime_env()
     return {
         **env,
         "worker_process_setup_hook": f"{__name__}.setup_worker",
@@ -109,12 +96,10 @@ def worker_runtime_env() -> dict[str, Any]:
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook`: the worker runs in the driver's directory (when this
     node has it), as it would without a `working_dir`, and imports the driver's plugins."""
-    from rayfl.plugins import setup_worker as import_plugins
-
     cwd = os.environ.get(DRIVER_CWD)
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    import_plugins()
+    plugins.setup_worker()
 
 
 def spill_dir(run_dir: str | Path) -> Path:
@@ -196,8 +181,6 @@ def init_ray(
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
         if not address:
             raise UserError(start_failure(exc, address)) from None
-        from rayfl.clusterconfig import join_error
-
         raise UserError(join_error(address, exc, os.environ)) from None
     except Exception as exc:  # Ray raises bare `Exception`s for a start that timed out
         raise UserError(start_failure(exc, address)) from None

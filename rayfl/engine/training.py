@@ -283,10 +283,8 @@ class LocalTrainer:
 
 
 def eval_batch_size(settings: TrainConfig, device: torch.device) -> int:
-    """`train.eval_batch_size`, or by default 128 on a CPU and 1024 on a GPU. On a CPU larger
-    batches are slower, not faster: a 512-image batch of cnn_small needs activation buffers of
-    ~50 MB, above glibc's largest mmap threshold (32 MB), so every batch maps fresh pages and
-    faults them in, and the page faults' system time outweighs what the larger batch saves."""
+    """`train.eval_batch_size`, or by default 128 on a CPU (larger batches' activation buffers
+    outgrow malloc's reuse and are slower) and 1024 on a GPU."""
     if settings.eval_batch_size is not None:
         return settings.eval_batch_size
     return 128 if device.type == "cpu" else 1024
@@ -325,12 +323,10 @@ def evaluate_client(
     client's own test split (`acc`, `loss`, `num_test`), plus the algorithm's extra metrics, and
     on its validation split when it has one (`val_acc`, `val_loss`, `num_val`).
 
-    The model is scored in eval mode with batch-independent batch norm (`rayfl.models.sbn`:
-    batch-statistics layers get running statistics over the client's training data first), so
-    no sample's score depends on the others in its batch. The batches run under
-    `torch.inference_mode` (no autograd bookkeeping: cheaper than `no_grad`, same numbers); `eval_model()` is called outside it, as it may build modules that
-    training later uses, which inference tensors could not be, and so are the split's cached
-    tensors."""
+    The model is scored in eval mode with batch-independent batch norm (`rayfl.models.sbn`), so
+    no sample's score depends on the others in its batch, under `torch.inference_mode`;
+    `eval_model()` and the split's cached tensors are made outside it, as training may later use
+    them."""
     for m in client.modules():
         m.eval()
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Client execution: `ClientRunner` trains batches of virtual clients; its Ray actor is
-`rayfl.engine.pool.ClientWorker`.
+"""Client execution: `ClientRunner` trains batches of virtual clients; `ClientWorker` is its Ray
+actor.
 
 A runner caches one client half per architecture and loads each client's state into it in place,
 so hundreds of clients cost memory for their state, not a process each. The serial executor
@@ -8,17 +8,25 @@ uses the same runner in-process, which is why both executors give the same numbe
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from rayfl.algorithms import ALGORITHMS
 from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
 from rayfl.data.federated import Federation
-from rayfl.engine.spec import RunSpec, keep_tensor_memory, seed_torch, torch_threads
+from rayfl.engine.spec import (
+    RunSpec,
+    keep_tensor_memory,
+    resolve_device,
+    seed_torch,
+    torch_threads,
+)
 from rayfl.engine.training import ArrayBatches, LocalTrainer, evaluate_client
 from rayfl.models.base import place
 from rayfl.seeding import Purpose, seed_of, words
@@ -280,3 +288,73 @@ class ClientRunner:
 def _part(state: Payload | None, prefix: str) -> Payload:
     """The entries of `state` under `prefix`, with the prefix taken off."""
     return {k[len(prefix) :]: v for k, v in (state or {}).items() if k.startswith(prefix)}
+
+
+class ClientWorker:
+    """Ray actor around a `ClientRunner`; created with `ray.remote(ClientWorker).options(...)`
+    (`rayfl.engine.pool.start_workers`).
+
+    Every call carries `setup`, `[ObjectRef of the RunSpec, ObjectRef of the Federation]` (in a
+    list, so Ray does not resolve them for each call): an actor that Ray restarted after a
+    crash (`max_restarts`) comes back without its runner and builds it from them before it
+    re-runs the call (`max_task_retries`). The client states travel with the call, so the
+    re-run gives the same numbers."""
+
+    runner: ClientRunner
+
+    def setup(self, setup: list[Any]) -> None:
+        """Build the runner from `setup` unless it is built."""
+        if getattr(self, "runner", None) is not None:
+            return
+        spec, federation = ray.get(setup)
+        # `federation` arrives resolved from the object store: its numpy arrays are zero-copy.
+        self.runner = ClientRunner(spec, federation, resolve_device(spec.device, ray.get_gpu_ids()))
+
+    def fit(
+        self,
+        setup: list[Any],
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        evaluate: bool,
+        *states: Payload | None,
+    ) -> tuple[Any, ...]:
+        self.setup(setup)
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        metrics, replies, new_states = self.runner.fit(
+            round_idx, client_ids, dict(zip(keys, values)), list(states), evaluate
+        )
+        return (metrics, replies, *new_states)
+
+    def evaluate(
+        self,
+        setup: list[Any],
+        round_idx: int,
+        client_ids: list[int],
+        payload_refs: dict[str, Any],
+        *states: Payload | None,
+    ) -> list[ClientMetrics]:
+        self.setup(setup)
+        keys = list(payload_refs)
+        values = ray.get([payload_refs[k] for k in keys]) if keys else []
+        return self.runner.evaluate(round_idx, client_ids, dict(zip(keys, values)), list(states))
+
+    def info(self, setup: list[Any]) -> dict[str, Any]:
+        self.setup(setup)
+        ctx = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": str(self.runner.device),
+            "torch_threads": torch.get_num_threads(),
+            "resources": dict(ctx.get_assigned_resources()),
+            # peak GPU memory this worker's training allocated (0 on the CPU)
+            "cuda_max_memory_mb": (
+                torch.cuda.max_memory_allocated(self.runner.device) / 2**20
+                if self.runner.device.type == "cuda"
+                else 0.0
+            ),
+        }
