@@ -56,15 +56,10 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     ClientContext,
-    Payload,
-    RoundContext,
     ServerContext,
+    check_params,
 )
-from rayfl.algorithms.fml import check_choice
-from rayfl.errors import require
 from rayfl.schema import setting
-
-LOSSES = ("ce_softmax", "ce", "mse")
 
 
 @dataclass(frozen=True)
@@ -83,10 +78,7 @@ class FDParams:
     )
 
     def __post_init__(self) -> None:
-        require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
-        check_choice(self.loss, LOSSES, "algorithm.loss")
-        check_choice(self.collect, ("train", "after"), "algorithm.collect")
-        check_choice(self.average, ("clients", "samples"), "algorithm.average")
+        check_params(self)
 
 
 def distill_term(
@@ -103,31 +95,17 @@ def distill_term(
     return F.cross_entropy(logits, target)
 
 
-class FDClient(protos.ClassStatsClient[FDParams]):
+class FDClient(protos.ClassTableClient[FDParams]):
     deployed_uses_payload = False  # deploys its local model
 
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
-        super().__init__(ctx, params)
-        self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
-        self.global_counts = torch.zeros(ctx.num_classes)
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        self.global_logits, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
-
-    def collects_in_training(self) -> bool:
-        return self.params.collect == "train"
-
-    def averaged_over_clients(self) -> bool:
-        return self.params.average == "clients"
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_from(self.statistic(x), y)
+        super().__init__(ctx, params, dim=ctx.num_classes)
 
     def loss_from(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(values, y)
-        # before any class is known HtFLlib adds nothing (global_logits is None)
+        # before any class is known HtFLlib adds nothing (its global logits are None)
         if self.params.gamma > 0 and bool((self.global_counts > 0).any()):
-            term = distill_term(values, y, self.global_logits, self.global_counts, self.params.loss)
+            term = distill_term(values, y, self.global_table, self.global_counts, self.params.loss)
             loss = loss + self.params.gamma * term
         return loss
 

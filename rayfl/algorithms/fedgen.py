@@ -59,10 +59,10 @@ from rayfl.algorithms.base import (
     ServerContext,
     ServerData,
     Trainer,
+    check_params,
     load_numpy,
     to_numpy,
 )
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
@@ -71,18 +71,17 @@ HEAD, GEN, LABELS = "head.", "gen.", "label_counts"
 
 @dataclass(frozen=True)
 class FedGenParams:
-    noise_dim: int = setting(32, "size of the generator's uniform noise (HtFLlib total.sh -nd 32)")
-    hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)")
+    noise_dim: int = setting(
+        32, "size of the generator's uniform noise (HtFLlib total.sh -nd 32)", ge=1
+    )
+    hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)", ge=1)
     generator_lr: float = setting(
-        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)"
+        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)", gt=0
     )
     server_epochs: int = setting(100, "Adam steps of the generator per round (HtFLlib -se 100)")
 
     def __post_init__(self) -> None:
-        require(self.noise_dim >= 1, "algorithm.noise_dim", "must be at least 1")
-        require(self.hidden_dim >= 1, "algorithm.hidden_dim", "must be at least 1")
-        require(self.generator_lr > 0, "algorithm.generator_lr", "must be > 0")
-        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
+        check_params(self)
 
 
 class Generator(nn.Module):

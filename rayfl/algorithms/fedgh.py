@@ -40,10 +40,10 @@ from rayfl.algorithms.base import (
     ServerData,
     TrainConfig,
     Trainer,
+    check_params,
     load_numpy,
     to_numpy,
 )
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
@@ -51,14 +51,13 @@ from rayfl.schema import setting
 @dataclass(frozen=True)
 class FedGHParams:
     server_epochs: int = setting(100, "passes of the header's training over the round's prototypes")
-    server_lr: float = setting(0.01, "the header's own SGD learning rate")
+    server_lr: float = setting(0.01, "the header's own SGD learning rate", gt=0)
     freeze_header: bool = setting(
         False, "true: clients train only the extractor under the global header"
     )
 
     def __post_init__(self) -> None:
-        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
-        require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
+        check_params(self)
 
 
 class FedGHClient(protos.ClassStatsClient[FedGHParams]):

@@ -23,9 +23,9 @@ from rayfl.algorithms.base import (
     ClientContext,
     Payload,
     RoundContext,
+    check_params,
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
@@ -36,7 +36,7 @@ class FedProxParams:
     )
 
     def __post_init__(self) -> None:
-        require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")
+        check_params(self)
 
 
 def proximal_term(
