@@ -35,23 +35,20 @@ from torch.func import functional_call
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Trainer,
-    check_params,
 )
 from rayfl.algorithms.groups import Flag, GlobalCopyClient, GroupServer
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class APFLParams:
+class APFLParams(CheckedParams):
     alpha: float = setting(0.5, "initial weight of the local model in the mixture, in [0, 1]", le=1)
     adaptive: bool = setting(
         True, "learn alpha per client by gradient descent (False: keep it fixed)"
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class Alpha(nn.Module):

@@ -224,14 +224,7 @@ class Client(Generic[P]):
 
     def load_state_dict(self, state: Payload) -> None:
         for name, module in self.persistent.items():
-            prefix = f"{name}."
-            module.load_state_dict(
-                {
-                    k[len(prefix) :]: torch.from_numpy(np.array(v))
-                    for k, v in state.items()
-                    if k.startswith(prefix)
-                }
-            )
+            load_numpy(module, unprefixed(state, f"{name}."))
 
     def modules(self) -> list[nn.Module]:
         """Every module this half owns (the engine moves them to the device and re-initializes them)."""
@@ -368,10 +361,18 @@ class NoParams:
     """For algorithms without hyperparameters of their own."""
 
 
+class CheckedParams:
+    """Base of an algorithm's frozen Params dataclass: `check_params` runs when they are built
+    (a subclass with checks of its own calls `super().__post_init__()`)."""
+
+    def __post_init__(self) -> None:
+        check_params(self)
+
+
 def check_params(params: Any) -> None:
-    """What loading a config checks of `algorithm.*` keys, for Params built in code too (call it
-    from `__post_init__`): every number >= 0 and within the range its `setting` declares, every
-    `Literal` one of its choices. A Params' own checks across keys follow it."""
+    """What loading a config checks of `algorithm.*` keys, for Params built in code too (see
+    `CheckedParams`): every number >= 0 and within the range its `setting` declares, every
+    `Literal` one of its choices."""
     hints = typing.get_type_hints(type(params))
     for f in dataclasses.fields(params):
         value, key = getattr(params, f.name), f"algorithm.{f.name}"
@@ -411,6 +412,12 @@ def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool 
     module.load_state_dict(
         {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict
     )
+
+
+def unprefixed(payload: Mapping[str, np.ndarray], prefix: str) -> Payload:
+    """Copies of the entries of `payload` whose key starts with `prefix`, the prefix dropped
+    (one of several states travelling in one payload)."""
+    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:

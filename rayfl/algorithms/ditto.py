@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
     Trainer,
-    check_params,
 )
 from rayfl.algorithms.fedprox import proximal_term
 from rayfl.algorithms.groups import Flag, GlobalCopyClient, GroupServer
@@ -43,16 +43,13 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class DittoParams:
+class DittoParams(CheckedParams):
     lam: float = setting(
         1.0, "pull of the personal model towards the global one (the paper tunes 0.01 to 2)"
     )
     personal_epochs: int = setting(
         1, "passes over the local data for the personal model per round", ge=1
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class DittoClient(GlobalCopyClient[DittoParams]):

@@ -55,15 +55,15 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ServerContext,
-    check_params,
 )
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FDParams:
+class FDParams(CheckedParams):
     gamma: float = setting(1.0, "weight of the distillation term (HtFLlib -lam 1)")
     loss: Literal["ce_softmax", "ce", "mse"] = setting(
         "ce_softmax",
@@ -76,9 +76,6 @@ class FDParams:
         "clients",
         "global logits: unweighted mean over clients (HtFLlib) or weighted by class counts",
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 def distill_term(

@@ -44,18 +44,18 @@ from torch.func import functional_call
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
     Trainer,
-    check_params,
 )
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedALAParams:
+class FedALAParams(CheckedParams):
     eta: float = setting(1.0, "learning rate of the aggregation weights W", gt=0)
     rand_percent: int = setting(
         80, "percent of the local training data that ALA learns W on", gt=0, le=100
@@ -66,9 +66,6 @@ class FedALAParams:
     threshold: float = setting(0.1, "first ALA stops when the std of the last losses is below this")
     num_pre_loss: int = setting(10, "how many epoch losses that standard deviation looks at", ge=1)
     max_init_epochs: int = setting(100, "cap on the epochs of a client's first ALA", ge=1)
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class ALAState(nn.Module):

@@ -32,24 +32,21 @@ import torch.nn.functional as F
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Trainer,
-    check_params,
 )
 from rayfl.algorithms.groups import GlobalCopyClient, GroupServer, frozen
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedBABUParams:
+class FedBABUParams(CheckedParams):
     finetune_epochs: int = setting(
         1, "passes fine-tuning the whole received model into the personal one"
     )
     finetune_lr: float | None = setting(
         None, "learning rate of that fine-tuning (None: train.lr)", gt=0
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class FedBABUClient(GlobalCopyClient[FedBABUParams]):

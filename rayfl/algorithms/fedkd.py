@@ -59,6 +59,7 @@ from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -67,7 +68,6 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
-    check_params,
     load_numpy,
     reply_weights,
     to_numpy,
@@ -79,7 +79,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedKDParams:
+class FedKDParams(CheckedParams):
     mentee: str | None = setting(None, "shared mentee architecture; None: the family's smallest")
     T: float = setting(1.0, "distillation temperature (HtFLlib: none, i.e. 1)", gt=0)
     svd_energy: float | None = setting(
@@ -98,7 +98,7 @@ class FedKDParams:
 
     def __post_init__(self) -> None:
         check_shared_arch(self.mentee, "algorithm.mentee")
-        check_params(self)
+        super().__post_init__()
 
 
 def adaptive_losses(

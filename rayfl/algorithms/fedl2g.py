@@ -54,6 +54,7 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -63,7 +64,6 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
     arch_sizes,
-    check_params,
 )
 from rayfl.errors import require
 from rayfl.models import SplitModel
@@ -71,7 +71,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedL2GParams:
+class FedL2GParams(CheckedParams):
     guide: Literal["feature", "logit"] = setting(
         "feature",
         "what the guiding vectors guide: the features (FedL2G-feat) or the logits (FedL2G-logit)",
@@ -85,9 +85,6 @@ class FedL2GParams:
     study_batches: int = setting(1, "batches of the look-ahead step (HtFLlib -mdb 1)", ge=1)
     quiz_batches: int = setting(1, "batches that score the look-ahead model (HtFLlib -mqb 1)", ge=1)
     clip: float = setting(100.0, "max norm of the aggregated guide gradient (HtFLlib: 100)", gt=0)
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 def guided_loss(
@@ -212,6 +209,7 @@ class FedL2GClient(ModelClient[FedL2GParams]):
 
 class FedL2GServer(Server[FedL2GParams]):
     sum_form = "class_means"  # a per-class mean over the clients that cover the class
+    state_attrs = ("guide",)
 
     def __init__(self, ctx: ServerContext, params: FedL2GParams) -> None:
         super().__init__(ctx, params)
@@ -240,12 +238,6 @@ class FedL2GServer(Server[FedL2GParams]):
             "fedl2g/classes_guided": float(np.count_nonzero(mean["counts"])),
             "fedl2g/grad_norm": float(np.linalg.norm(mean["means"].astype(np.float64))),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"guide": {"vectors": self.guide.copy()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.guide = np.array(state["guide"]["vectors"], dtype=np.float32)
 
 
 ALGORITHMS.add(

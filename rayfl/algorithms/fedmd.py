@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -40,13 +41,12 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
-    check_params,
 )
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedMDParams:
+class FedMDParams(CheckedParams):
     public_samples: int = setting(
         5000,
         "the first this many public samples are the shared set (all of them when the split is smaller): 5000, the official code's N_alignment (diogenes0319/FedMD_clean conf/*.json), which draws a fresh random 5000 each round where rayfl keeps the same ones",
@@ -59,9 +59,6 @@ class FedMDParams:
         "l1", "l1: the paper's code (mean absolute error on logits)"
     )
     digest_lr: float | None = setting(None, "None: train.lr", gt=0)
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 def consensus(scores: Sequence[np.ndarray]) -> np.ndarray:

@@ -43,6 +43,7 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     AveragingServer,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -50,7 +51,6 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
     arch_sizes,
-    check_params,
     load_numpy,
     to_numpy,
 )
@@ -61,7 +61,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedMRLParams:
+class FedMRLParams(CheckedParams):
     extractor: str | None = setting(
         None,
         "shared small homogeneous model's architecture; None: the family's smallest (as FML's meme)",
@@ -74,7 +74,7 @@ class FedMRLParams:
 
     def __post_init__(self) -> None:
         check_shared_arch(self.extractor, "algorithm.extractor")
-        check_params(self)
+        super().__post_init__()
 
 
 def shared_model(

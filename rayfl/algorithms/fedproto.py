@@ -49,15 +49,15 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ServerContext,
-    check_params,
 )
 from rayfl.models import build_model
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedProtoParams:
+class FedProtoParams(CheckedParams):
     lam: float = setting(
         1.0, "weight of the prototype distance (the paper's lambda; official default 1)"
     )
@@ -73,9 +73,6 @@ class FedProtoParams:
         "clients",
         "global prototype: unweighted mean over clients (official) or weighted by class counts",
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class FedProtoClient(protos.ClassTableClient[FedProtoParams]):

@@ -20,23 +20,20 @@ from torch import nn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
-    check_params,
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedProxParams:
+class FedProxParams(CheckedParams):
     mu: float = setting(
         0.01, "proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})"
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 def proximal_term(

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayfl.algorithms.base import ALGORITHMS, Algorithm, Trainer, check_params
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, CheckedParams, Trainer
 from rayfl.algorithms.groups import GroupClient, GroupServer, frozen
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedRepParams:
+class FedRepParams(CheckedParams):
     head_epochs: int = setting(
         1, "passes training the head (extractor frozen) before the extractor's", ge=1
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class FedRepClient(GroupClient[FedRepParams]):

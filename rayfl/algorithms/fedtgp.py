@@ -45,13 +45,13 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Payload,
     Reply,
     RoundContext,
     Server,
     ServerContext,
     ServerData,
-    check_params,
 )
 from rayfl.algorithms.fedproto import FedProtoClient
 from rayfl.models import build_model
@@ -59,7 +59,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedTGPParams:
+class FedTGPParams(CheckedParams):
     lam: float = setting(
         10.0,
         "weight of the distance to the global prototype: 10 as in the official FedTGP code (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it follows FedProto's lambda of 10 (clienttgp.py). A small lam (0.1) leaves FedTGP far below local training.",
@@ -79,9 +79,6 @@ class FedTGPParams:
     hidden_dim: int | None = setting(
         None, "generator's hidden width (None: the feature size)", ge=1
     )
-
-    def __post_init__(self) -> None:
-        check_params(self)
 
 
 class FedTGPClient(FedProtoClient):  # FedTGPParams has FedProto's lam, predict and collect

@@ -45,6 +45,7 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     AveragingServer,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -53,7 +54,6 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
     arch_sizes,
-    check_params,
     load_numpy,
     reply_weights,
     to_numpy,
@@ -88,7 +88,7 @@ def shared_arch(
 
 
 @dataclass(frozen=True)
-class FMLParams:
+class FMLParams(CheckedParams):
     meme: str | None = setting(
         None, "shared meme architecture; None: the family's smallest (shared_arch)"
     )
@@ -110,7 +110,7 @@ class FMLParams:
 
     def __post_init__(self) -> None:
         check_shared_arch(self.meme, "algorithm.meme")
-        check_params(self)
+        super().__post_init__()
 
 
 def target(logits: torch.Tensor, detach: bool) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -41,7 +42,6 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
-    check_params,
     load_numpy,
     reply_weights,
     to_numpy,
@@ -62,7 +62,7 @@ def _is_width_arch(arch: str) -> bool:
 
 
 @dataclass(frozen=True)
-class HeteroFLParams:
+class HeteroFLParams(CheckedParams):
     """HeteroFL hyperparameters."""
 
     global_arch: str = setting(
@@ -79,7 +79,7 @@ class HeteroFLParams:
     )
 
     def __post_init__(self) -> None:
-        check_params(self)
+        super().__post_init__()
         require(
             _is_width_arch(self.global_arch),
             "algorithm.global_arch",

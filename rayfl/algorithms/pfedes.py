@@ -39,6 +39,7 @@ from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Client,
     ClientContext,
     ModelClient,
@@ -48,7 +49,6 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
-    check_params,
     load_numpy,
     to_numpy,
 )
@@ -59,7 +59,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class PFedESParams:
+class PFedESParams(CheckedParams):
     variant: str = setting(
         "kd", "kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS"
     )
@@ -110,7 +110,7 @@ class PFedESParams:
             "algorithm.variant",
             f"{self.variant!r} is not a pFedES variant; choose one of {', '.join(VARIANTS)}",
         )
-        check_params(self)
+        super().__post_init__()
         require(
             not (self.alpha_scales_proxy and self.proxy_lr is not None),
             "algorithm.proxy_lr",
