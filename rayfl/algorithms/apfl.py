@@ -14,8 +14,7 @@ Keeps local: `v` (a copy of the received global model when the client first trai
 `alpha`; the personalized model is the mixture with the latest `w` (the
 trained one after local training, the broadcast one when deployed).
 Server: per architecture, the sample-weighted average of the global models
-(`rayfl.algorithms.groups`; with several architectures each group shares within itself);
-scored as `global/acc`.
+(`rayfl.algorithms.groups`); scored as `global/acc`.
 
 Defaults: `alpha=0.5` (FL-bench; PFLlib's `-al` is 1.0), `adaptive=True` (FL-bench; the paper's
 adaptive alpha). Deviations: `v` trains on the mixture's loss as in the paper (PFLlib trains it
@@ -26,7 +25,6 @@ before every use.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -37,27 +35,20 @@ from torch.func import functional_call
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
-    Payload,
-    RoundContext,
     Trainer,
 )
-from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
-from rayfl.errors import require
+from rayfl.algorithms.groups import Flag, GlobalCopyClient, GroupServer
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class APFLParams:
-    alpha: float = setting(0.5, "initial weight of the local model in the mixture, in [0, 1]")
+class APFLParams(CheckedParams):
+    alpha: float = setting(0.5, "initial weight of the local model in the mixture, in [0, 1]", le=1)
     adaptive: bool = setting(
         True, "learn alpha per client by gradient descent (False: keep it fixed)"
     )
-
-    def __post_init__(self) -> None:
-        require(
-            0.0 <= self.alpha <= 1.0, "algorithm.alpha", f"must be in [0, 1] (got {self.alpha})"
-        )
 
 
 class Alpha(nn.Module):
@@ -95,20 +86,13 @@ class Mixture(nn.Module):
         return functional_call(self.local, mixture(self.local, self.glob, self.mix.project()), (x,))
 
 
-class APFLClient(GroupClient[APFLParams]):
+class APFLClient(GlobalCopyClient[APFLParams]):
     def __init__(self, ctx: ClientContext, params: APFLParams) -> None:
         super().__init__(ctx, params)
-        self.global_model = copy.deepcopy(self.model)
         self.alpha = Alpha(params.alpha, params.adaptive)
         self.trained = Flag()
         self.persistent = {"model": self.model, "alpha": self.alpha, "trained": self.trained}
         self.personal = Mixture(self.model, self.global_model, self.alpha)
-
-    def shared_model(self) -> nn.Module:
-        return self.global_model
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        load_part(self.global_model, payload)
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         if not self.trained.is_set():  # v starts as the global model (PFLlib, FL-bench)

@@ -11,6 +11,9 @@ zero-copy, and their byte size is the communication cost.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -20,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.models.base import SplitModel
 from rayfl.registry import Registry
-from rayfl.schema import TrainConfig
+from rayfl.schema import Range, TrainConfig, range_of
 
 Payload = dict[str, np.ndarray]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -45,13 +49,6 @@ class RoundContext:
     def fraction(self) -> float:
         """How far the run is after this round, in (0, 1]: `index / total`."""
         return self.index / self.total
-
-
-# One training-settings type for the whole package: the `train:` section of a run config. It
-# lives in `rayfl.config` (plain dataclasses, no torch) so that loading and validating a config
-# stays cheap; the algorithms may import it since `rayfl.config` imports neither Ray, MLflow nor
-# the engine. `TrainSettings` is the name it had here, kept for code written against it.
-TrainSettings = TrainConfig
 
 
 @dataclass(frozen=True)
@@ -227,14 +224,7 @@ class Client(Generic[P]):
 
     def load_state_dict(self, state: Payload) -> None:
         for name, module in self.persistent.items():
-            prefix = f"{name}."
-            module.load_state_dict(
-                {
-                    k[len(prefix) :]: torch.from_numpy(np.array(v))
-                    for k, v in state.items()
-                    if k.startswith(prefix)
-                }
-            )
+            load_numpy(module, unprefixed(state, f"{name}."))
 
     def modules(self) -> list[nn.Module]:
         """Every module this half owns (the engine moves them to the device and re-initializes them)."""
@@ -266,6 +256,8 @@ class Server(Generic[P]):
     # (sample-weighted average of array payloads) or "class_means" (per-class tables averaged
     # by count). None: the server needs each upload on its own, and privacy refuses it.
     sum_form: ClassVar[str | None] = None
+    # Attributes outside any module that are part of the state: arrays, dicts of them, or None.
+    state_attrs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ServerContext, params: P) -> None:
         self.ctx = ctx
@@ -292,11 +284,21 @@ class Server(Generic[P]):
         return self.eval_models()
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: to_numpy(m.state_dict()) for name, m in self.state_modules().items()}
+        state = {name: to_numpy(m.state_dict()) for name, m in self.state_modules().items()}
+        return {**state, **{a: _copied(getattr(self, a)) for a in self.state_attrs}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, module in self.state_modules().items():
             load_numpy(module, state[name])
+        for a in self.state_attrs:
+            setattr(self, a, _copied(state[a]))
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a server's state attribute: an array, a dict of arrays, or None."""
+    if isinstance(value, Mapping):
+        return {k: np.array(v) for k, v in value.items()}
+    return None if value is None else np.array(value)
 
 
 class AveragingServer(Server[P]):
@@ -342,9 +344,8 @@ class Algorithm(Generic[P]):
     client: type[Client[P]]
     server: type[Server[P]]
     needs_homogeneous: bool = False  # one architecture for every client (fedavg, fedprox)
-    needs_common_feature_dim: bool = (
-        False  # shares heads/prototypes (lg_fedavg, fedproto, fedgh, fd)
-    )
+    # shares heads or prototypes (lg_fedavg, fedproto, fedgh)
+    needs_common_feature_dim: bool = False
     needs_public: bool = False  # uses the held-out public split (fedmd, feddf, fedfd)
     summary: str = ""
     # Extra check of the clients' architectures against the params (raises ConfigError); cheap,
@@ -360,6 +361,47 @@ class NoParams:
     """For algorithms without hyperparameters of their own."""
 
 
+class CheckedParams:
+    """Base of an algorithm's frozen Params dataclass: `check_params` runs when they are built
+    (a subclass with checks of its own calls `super().__post_init__()`)."""
+
+    def __post_init__(self) -> None:
+        check_params(self)
+
+
+def check_params(params: Any) -> None:
+    """What loading a config checks of `algorithm.*` keys, for Params built in code too (see
+    `CheckedParams`): every number >= 0 and within the range its `setting` declares, every
+    `Literal` one of its choices."""
+    hints = typing.get_type_hints(type(params))
+    for f in dataclasses.fields(params):
+        value, key = getattr(params, f.name), f"algorithm.{f.name}"
+        choices = [c for t in (hints[f.name], *typing.get_args(hints[f.name])) for c in _literal(t)]
+        if choices and value is not None:
+            require(value in choices, key, f"must be one of {', '.join(choices)} (got {value!r})")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            rng = range_of(f) or Range(lo=0)
+            require(rng.contains(value), key, f"{rng.describe()} (got {value})")
+
+
+def _literal(tp: Any) -> tuple[str, ...]:
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
+
+
+@functools.lru_cache(maxsize=64)
+def arch_sizes(arch: str, in_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
+    """`(parameters, feature size)` of architecture `arch`. Building it draws nothing from the
+    caller's random stream (a cache hit would not), so asking never changes a run's numbers."""
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(arch, in_shape, num_classes)
+    return sum(p.numel() for p in model.parameters()), model.feature_dim
+
+
+def reply_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
+    """Aggregation weights of the replies: 1 each (`uniform`) or their training samples."""
+    return [1.0 if weighting == "uniform" else float(r.num_samples) for r in replies]
+
+
 def to_numpy(state: Mapping[str, torch.Tensor]) -> Payload:
     """A torch state dict as detached CPU numpy arrays (the travelling format)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
@@ -370,6 +412,12 @@ def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool 
     module.load_state_dict(
         {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict
     )
+
+
+def unprefixed(payload: Mapping[str, np.ndarray], prefix: str) -> Payload:
+    """Copies of the entries of `payload` whose key starts with `prefix`, the prefix dropped
+    (one of several states travelling in one payload)."""
+    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:

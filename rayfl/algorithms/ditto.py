@@ -13,8 +13,7 @@ Shares: the global model, both ways.
 Keeps local: the personal model, a copy of the received global model when the client first
 trains.
 Server: per architecture, the sample-weighted average of the global models
-(`rayfl.algorithms.groups`; with several architectures each group shares within itself);
-scored as `global/acc`.
+(`rayfl.algorithms.groups`); scored as `global/acc`.
 
 Defaults: `lam=1.0` (FL-bench's `lamda`; the paper tunes it between 0.01 and 2;
 PFLlib's generic `mu` defaults to 0), `personal_epochs=1` (PFLlib's `plocal_epochs`, FL-bench's
@@ -24,40 +23,36 @@ optimizer, where PFLlib folds it into an SGD step; with plain SGD the update is 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
     Trainer,
 )
 from rayfl.algorithms.fedprox import proximal_term
-from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
-from rayfl.errors import require
+from rayfl.algorithms.groups import Flag, GlobalCopyClient, GroupServer
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class DittoParams:
+class DittoParams(CheckedParams):
     lam: float = setting(
         1.0, "pull of the personal model towards the global one (the paper tunes 0.01 to 2)"
     )
-    personal_epochs: int = setting(1, "passes over the local data for the personal model per round")
-
-    def __post_init__(self) -> None:
-        require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
-        require(self.personal_epochs >= 1, "algorithm.personal_epochs", "must be >= 1")
+    personal_epochs: int = setting(
+        1, "passes over the local data for the personal model per round", ge=1
+    )
 
 
-class DittoClient(GroupClient[DittoParams]):
+class DittoClient(GlobalCopyClient[DittoParams]):
     """`self.model` is the personal model (kept); `self.global_model` a transient copy replaced
     by every broadcast, trained and uploaded."""
 
@@ -65,16 +60,12 @@ class DittoClient(GroupClient[DittoParams]):
 
     def __init__(self, ctx: ClientContext, params: DittoParams) -> None:
         super().__init__(ctx, params)
-        self.global_model = copy.deepcopy(self.model)
         self.trained = Flag()
         self.persistent = {"model": self.model, "trained": self.trained}
         self.anchors: list[torch.Tensor] = []
 
-    def shared_model(self) -> nn.Module:
-        return self.global_model
-
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        load_part(self.global_model, payload)
+        super().receive(payload, rnd)
         # the received global weights, frozen: the personal model is pulled towards them
         self.anchors = [p.detach().clone() for p in self.global_model.parameters()]
 

@@ -55,20 +55,15 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
-    Payload,
-    RoundContext,
     ServerContext,
 )
-from rayfl.algorithms.fml import check_choice
-from rayfl.errors import require
 from rayfl.schema import setting
-
-LOSSES = ("ce_softmax", "ce", "mse")
 
 
 @dataclass(frozen=True)
-class FDParams:
+class FDParams(CheckedParams):
     gamma: float = setting(1.0, "weight of the distillation term (HtFLlib -lam 1)")
     loss: Literal["ce_softmax", "ce", "mse"] = setting(
         "ce_softmax",
@@ -81,12 +76,6 @@ class FDParams:
         "clients",
         "global logits: unweighted mean over clients (HtFLlib) or weighted by class counts",
     )
-
-    def __post_init__(self) -> None:
-        require(self.gamma >= 0, "algorithm.gamma", f"must be >= 0 (got {self.gamma})")
-        check_choice(self.loss, LOSSES, "algorithm.loss")
-        check_choice(self.collect, ("train", "after"), "algorithm.collect")
-        check_choice(self.average, ("clients", "samples"), "algorithm.average")
 
 
 def distill_term(
@@ -103,31 +92,17 @@ def distill_term(
     return F.cross_entropy(logits, target)
 
 
-class FDClient(protos.ClassStatsClient[FDParams]):
+class FDClient(protos.ClassTableClient[FDParams]):
     deployed_uses_payload = False  # deploys its local model
 
     def __init__(self, ctx: ClientContext, params: FDParams) -> None:
-        super().__init__(ctx, params)
-        self.global_logits = torch.zeros(ctx.num_classes, ctx.num_classes)
-        self.global_counts = torch.zeros(ctx.num_classes)
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        self.global_logits, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
-
-    def collects_in_training(self) -> bool:
-        return self.params.collect == "train"
-
-    def averaged_over_clients(self) -> bool:
-        return self.params.average == "clients"
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_from(self.statistic(x), y)
+        super().__init__(ctx, params, dim=ctx.num_classes)
 
     def loss_from(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(values, y)
-        # before any class is known HtFLlib adds nothing (global_logits is None)
+        # before any class is known HtFLlib adds nothing (its global logits are None)
         if self.params.gamma > 0 and bool((self.global_counts > 0).any()):
-            term = distill_term(values, y, self.global_logits, self.global_counts, self.params.loss)
+            term = distill_term(values, y, self.global_table, self.global_counts, self.params.loss)
             loss = loss + self.params.gamma * term
         return loss
 

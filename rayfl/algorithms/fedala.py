@@ -17,8 +17,8 @@ Code followed: PFLlib `system/utils/ALA.py` (`adaptive_local_aggregation`) and
 Shares: the whole model, both ways (the client's trained model up).
 Keeps local: the model it trained and the ALA weights; the received global model enters only
 through ALA at the start of the next local training.
-Server: per architecture, the sample-weighted average of the models (`rayfl.algorithms.groups`;
-with several architectures each group shares within itself); scored as `global/acc`.
+Server: per architecture, the sample-weighted average of the models (`rayfl.algorithms.groups`);
+scored as `global/acc`.
 
 Defaults (PFLlib `main.py` and FL-bench): `eta=1.0`, `rand_percent=80`, `layers=2` (PFLlib's
 `layer_idx`: the last Linear's weight and bias; 0 selects every parameter tensor),
@@ -44,33 +44,28 @@ from torch.func import functional_call
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
     Trainer,
 )
 from rayfl.algorithms.groups import Flag, GroupClient, GroupServer, load_part
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedALAParams:
-    eta: float = setting(1.0, "learning rate of the aggregation weights W")
-    rand_percent: int = setting(80, "percent of the local training data that ALA learns W on")
+class FedALAParams(CheckedParams):
+    eta: float = setting(1.0, "learning rate of the aggregation weights W", gt=0)
+    rand_percent: int = setting(
+        80, "percent of the local training data that ALA learns W on", gt=0, le=100
+    )
     layers: int = setting(
         2, "top parameter tensors aggregated adaptively (0: all); the rest take global"
     )
     threshold: float = setting(0.1, "first ALA stops when the std of the last losses is below this")
-    num_pre_loss: int = setting(10, "how many epoch losses that standard deviation looks at")
-    max_init_epochs: int = setting(100, "cap on the epochs of a client's first ALA")
-
-    def __post_init__(self) -> None:
-        require(self.eta > 0, "algorithm.eta", f"must be > 0 (got {self.eta})")
-        require(0 < self.rand_percent <= 100, "algorithm.rand_percent", "must be in (0, 100]")
-        require(self.layers >= 0, "algorithm.layers", "must be >= 0")
-        require(self.num_pre_loss >= 1, "algorithm.num_pre_loss", "must be >= 1")
-        require(self.max_init_epochs >= 1, "algorithm.max_init_epochs", "must be >= 1")
+    num_pre_loss: int = setting(10, "how many epoch losses that standard deviation looks at", ge=1)
+    max_init_epochs: int = setting(100, "cap on the epochs of a client's first ALA", ge=1)
 
 
 class ALAState(nn.Module):

@@ -12,8 +12,7 @@ averaged, `fine_tune` of base and head for `fine_tuning_epochs` after the last r
 Shares: the whole global model down (body plus the fixed head), the trained body up.
 Keeps local: the fine-tuned personal model (what is scored and deployed).
 Server: per architecture, the sample-weighted average of its clients' bodies into a model whose
-head stays at its initialization (`rayfl.algorithms.groups`; with several architectures each
-group shares within itself); that model is scored as `global/acc`.
+head stays at its initialization (`rayfl.algorithms.groups`); that model is scored as `global/acc`.
 
 Defaults: `finetune_epochs=1` (FL-bench's floor; PFLlib fine-tunes 10 epochs once, after the
 last round) at `finetune_lr = train.lr` (PFLlib's one optimizer). Trained under a fixed head, the
@@ -26,53 +25,36 @@ uploaded is the one before fine-tuning, so the federation itself is unchanged.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
-    ClientContext,
-    ModelClient,
-    Payload,
-    RoundContext,
+    CheckedParams,
     Trainer,
-    load_numpy,
-    to_numpy,
 )
-from rayfl.algorithms.groups import GroupServer, extractor, frozen
-from rayfl.errors import require
+from rayfl.algorithms.groups import GlobalCopyClient, GroupServer, frozen
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedBABUParams:
+class FedBABUParams(CheckedParams):
     finetune_epochs: int = setting(
         1, "passes fine-tuning the whole received model into the personal one"
     )
-    finetune_lr: float | None = setting(None, "learning rate of that fine-tuning (None: train.lr)")
-
-    def __post_init__(self) -> None:
-        require(self.finetune_epochs >= 0, "algorithm.finetune_epochs", "must be >= 0")
-        lr = self.finetune_lr
-        require(lr is None or lr > 0, "algorithm.finetune_lr", f"must be > 0 (got {lr})")
+    finetune_lr: float | None = setting(
+        None, "learning rate of that fine-tuning (None: train.lr)", gt=0
+    )
 
 
-class FedBABUClient(ModelClient[FedBABUParams]):
+class FedBABUClient(GlobalCopyClient[FedBABUParams]):
     """`self.model` is the fine-tuned personal model (kept); `self.global_model` the received
     body and head, trained body-only and uploaded (transient)."""
 
     deployed_uses_payload = False  # deploys its last fine-tuned model
-
-    def __init__(self, ctx: ClientContext, params: FedBABUParams) -> None:
-        super().__init__(ctx, params)
-        self.global_model = copy.deepcopy(self.model)
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        load_numpy(self.global_model, payload)
+    part = "extractor"
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         g = self.global_model
@@ -86,12 +68,6 @@ class FedBABUClient(ModelClient[FedBABUParams]):
             )
             out["finetune_loss"] = tuned["loss"]
         return out
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x), y)
-
-    def upload(self) -> Payload:
-        return to_numpy(extractor(self.global_model))
 
 
 class FedBABUServer(GroupServer[FedBABUParams]):

@@ -8,7 +8,7 @@ Shares: every entry of the model but those of its BatchNorm layers, both ways.
 Keeps local: the BatchNorm layers (affine weights and running statistics); the personalized
 model is the client's model after local training.
 Server: per architecture, the sample-weighted average of its clients' non-BN entries
-(`rayfl.algorithms.groups`; with several architectures each group shares within itself).
+(`rayfl.algorithms.groups`).
 
 Deviations: BN layers are found by type (`torch.nn` BatchNorm), not by PFLlib's `'bn' in name`;
 their running statistics stay local as well (PFLlib moves parameters only, so its buffers

@@ -36,7 +36,6 @@ import torch
 
 from rayfl.algorithms.base import ALGORITHMS, Algorithm, ServerData
 from rayfl.algorithms.fedfd import FedFDClient, FedFDParams, FedFDServer, check_fedfd_family
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
@@ -55,24 +54,11 @@ class FedDFParams(FedFDParams):
     patience: int | None = setting(
         None,
         "stop when the public-split accuracy has not improved for this many steps and keep the best model (official: 1000); null runs all `steps`",
+        ge=1,
     )
     eval_every: int = setting(
-        100, "steps between two accuracy checks when `patience` is set (official: 100)"
+        100, "steps between two accuracy checks when `patience` is set (official: 100)", ge=1
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(
-            self.schedule in ("constant", "cosine"),
-            "algorithm.schedule",
-            f"must be constant or cosine (got {self.schedule!r})",
-        )
-        require(
-            self.patience is None or self.patience >= 1,
-            "algorithm.patience",
-            "must be >= 1 or null (no early stopping)",
-        )
-        require(self.eval_every >= 1, "algorithm.eval_every", "must be >= 1")
 
 
 def cosine_lr(lr: float, done: int, total: int) -> float:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -61,8 +61,8 @@ from rayfl.algorithms.base import (
     Trainer,
     load_numpy,
     to_numpy,
+    unprefixed,
 )
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
@@ -70,19 +70,15 @@ HEAD, GEN, LABELS = "head.", "gen.", "label_counts"
 
 
 @dataclass(frozen=True)
-class FedGenParams:
-    noise_dim: int = setting(32, "size of the generator's uniform noise (HtFLlib total.sh -nd 32)")
-    hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)")
+class FedGenParams(CheckedParams):
+    noise_dim: int = setting(
+        32, "size of the generator's uniform noise (HtFLlib total.sh -nd 32)", ge=1
+    )
+    hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)", ge=1)
     generator_lr: float = setting(
-        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)"
+        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)", gt=0
     )
     server_epochs: int = setting(100, "Adam steps of the generator per round (HtFLlib -se 100)")
-
-    def __post_init__(self) -> None:
-        require(self.noise_dim >= 1, "algorithm.noise_dim", "must be at least 1")
-        require(self.hidden_dim >= 1, "algorithm.hidden_dim", "must be at least 1")
-        require(self.generator_lr > 0, "algorithm.generator_lr", "must be > 0")
-        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
 
 
 class Generator(nn.Module):
@@ -125,10 +121,6 @@ def ensemble_logits(
     return torch.stack(terms).sum(0)
 
 
-def _prefixed(payload: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
-
-
 class FedGenClient(ModelClient[FedGenParams]):
     def __init__(self, ctx: ClientContext, params: FedGenParams) -> None:
         super().__init__(ctx, params)
@@ -141,8 +133,8 @@ class FedGenClient(ModelClient[FedGenParams]):
         self.counts = np.zeros(ctx.num_classes, dtype=np.float32)
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        load_numpy(self.model.head, _prefixed(payload, HEAD))
-        load_numpy(self.generator, _prefixed(payload, GEN))
+        load_numpy(self.model.head, unprefixed(payload, HEAD))
+        load_numpy(self.generator, unprefixed(payload, GEN))
         weights = np.array(payload[LABELS], dtype=np.float32)
         self.label_weights = torch.as_tensor(weights, device=self.ctx.device)
 
@@ -169,6 +161,8 @@ class FedGenClient(ModelClient[FedGenParams]):
 
 
 class FedGenServer(Server[FedGenParams]):
+    state_attrs = ("label_table",)
+
     def __init__(self, ctx: ServerContext, params: FedGenParams) -> None:
         super().__init__(ctx, params)
         model = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes)
@@ -188,7 +182,7 @@ class FedGenServer(Server[FedGenParams]):
         return {**head, **gen, LABELS: self.label_table.sum(0)}
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
-        heads = [_prefixed(r.payload, HEAD) for r in replies]
+        heads = [unprefixed(r.payload, HEAD) for r in replies]
         for r in replies:
             self.label_table[r.client_id] = np.asarray(r.payload[LABELS], dtype=np.float32)
         self.weights = fn.normalized_weights([r.num_samples for r in replies])
@@ -229,17 +223,8 @@ class FedGenServer(Server[FedGenParams]):
             total += float(loss.detach())
         return total / p.server_epochs
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "head": to_numpy(self.head.state_dict()),
-            "generator": to_numpy(self.generator.state_dict()),
-            "labels": {"table": self.label_table.copy()},
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.head, state["head"])
-        load_numpy(self.generator, state["generator"])
-        self.label_table = np.array(state["labels"]["table"], dtype=np.float32)
+    def state_modules(self) -> dict[str, nn.Module]:
+        return {"head": self.head, "generator": self.generator}
 
 
 ALGORITHMS.add(

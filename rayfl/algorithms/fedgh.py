@@ -32,6 +32,7 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Payload,
     Reply,
     RoundContext,
@@ -43,22 +44,18 @@ from rayfl.algorithms.base import (
     load_numpy,
     to_numpy,
 )
-from rayfl.errors import require
+from rayfl.algorithms.groups import frozen
 from rayfl.models import build_model
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedGHParams:
+class FedGHParams(CheckedParams):
     server_epochs: int = setting(100, "passes of the header's training over the round's prototypes")
-    server_lr: float = setting(0.01, "the header's own SGD learning rate")
+    server_lr: float = setting(0.01, "the header's own SGD learning rate", gt=0)
     freeze_header: bool = setting(
         False, "true: clients train only the extractor under the global header"
     )
-
-    def __post_init__(self) -> None:
-        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
-        require(self.server_lr > 0, "algorithm.server_lr", f"must be > 0 (got {self.server_lr})")
 
 
 class FedGHClient(protos.ClassStatsClient[FedGHParams]):
@@ -67,11 +64,8 @@ class FedGHClient(protos.ClassStatsClient[FedGHParams]):
 
     def train(self, trainer: Trainer) -> dict[str, float]:
         # A frozen header takes no gradient at all (so none accumulates on the cached instance).
-        self.model.head.requires_grad_(not self.params.freeze_header)
-        try:
+        with frozen(*[self.model.head] if self.params.freeze_header else []):
             return trainer.run(self.training_step, [self.model])
-        finally:
-            self.model.head.requires_grad_(True)
 
 
 def train_header(

@@ -59,6 +59,7 @@ from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -68,21 +69,21 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
     load_numpy,
+    reply_weights,
     to_numpy,
 )
-from rayfl.algorithms.fml import check_choice, check_shared_arch, mean_weights, shared_arch, target
+from rayfl.algorithms.fml import check_shared_arch, shared_arch, target
 from rayfl.algorithms.functional import svd_compress, svd_decompress
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedKDParams:
+class FedKDParams(CheckedParams):
     mentee: str | None = setting(None, "shared mentee architecture; None: the family's smallest")
-    T: float = setting(1.0, "distillation temperature (HtFLlib: none, i.e. 1)")
+    T: float = setting(1.0, "distillation temperature (HtFLlib: none, i.e. 1)", gt=0)
     svd_energy: float | None = setting(
-        None, "e.g. 0.95: SVD-compress mentee updates keeping this energy"
+        None, "e.g. 0.95: SVD-compress mentee updates keeping this energy", gt=0, le=1
     )
     kl_reduction: Literal["mean", "batchmean"] = setting(
         "mean", "KL averaged per entry (HtFLlib's nn.KLDivLoss() default) or per sample (batchmean)"
@@ -97,14 +98,7 @@ class FedKDParams:
 
     def __post_init__(self) -> None:
         check_shared_arch(self.mentee, "algorithm.mentee")
-        require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
-        require(
-            self.svd_energy is None or 0 < self.svd_energy <= 1,
-            "algorithm.svd_energy",
-            f"must be in (0, 1] or null for no compression (got {self.svd_energy})",
-        )
-        check_choice(self.kl_reduction, fn.KD_REDUCTIONS, "algorithm.kl_reduction")
-        check_choice(self.weighting, ("uniform", "samples"), "algorithm.weighting")
+        super().__post_init__()
 
 
 def adaptive_losses(
@@ -184,7 +178,7 @@ class FedKDServer(Server[FedKDParams]):
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         updates = [svd_decompress(r.payload) for r in replies]
-        avg = fn.weighted_average(updates, mean_weights(replies, self.params.weighting))
+        avg = fn.weighted_average(updates, reply_weights(replies, self.params.weighting))
         current = to_numpy(self.mentee.state_dict())
         load_numpy(self.mentee, fn.add(current, avg))
         return {}

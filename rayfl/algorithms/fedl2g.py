@@ -40,7 +40,6 @@ Deviations from HtFLlib:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,6 +54,7 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -63,37 +63,28 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
+    arch_sizes,
 )
 from rayfl.errors import require
-from rayfl.models import SplitModel, build_model
+from rayfl.models import SplitModel
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedL2GParams:
+class FedL2GParams(CheckedParams):
     guide: Literal["feature", "logit"] = setting(
         "feature",
         "what the guiding vectors guide: the features (FedL2G-feat) or the logits (FedL2G-logit)",
     )
-    server_lr: float = setting(0.01, "SGD step size of the guiding vectors (HtFLlib -slr 0.01)")
+    server_lr: float = setting(
+        0.01, "SGD step size of the guiding vectors (HtFLlib -slr 0.01)", gt=0
+    )
     warm_up_rounds: int = setting(
         50, "first rounds with meta-learning only, no local training (-wu 50)"
     )
-    study_batches: int = setting(1, "batches of the look-ahead step (HtFLlib -mdb 1)")
-    quiz_batches: int = setting(1, "batches that score the look-ahead model (HtFLlib -mqb 1)")
-    clip: float = setting(100.0, "max norm of the aggregated guide gradient (HtFLlib: 100)")
-
-    def __post_init__(self) -> None:
-        require(
-            self.guide in ("feature", "logit"),
-            "algorithm.guide",
-            f"must be feature or logit (got {self.guide!r})",
-        )
-        require(self.server_lr > 0, "algorithm.server_lr", "must be > 0")
-        require(self.warm_up_rounds >= 0, "algorithm.warm_up_rounds", "must be >= 0")
-        require(self.study_batches >= 1, "algorithm.study_batches", "must be at least 1")
-        require(self.quiz_batches >= 1, "algorithm.quiz_batches", "must be at least 1")
-        require(self.clip > 0, "algorithm.clip", "must be > 0")
+    study_batches: int = setting(1, "batches of the look-ahead step (HtFLlib -mdb 1)", ge=1)
+    quiz_batches: int = setting(1, "batches that score the look-ahead model (HtFLlib -mqb 1)", ge=1)
+    clip: float = setting(100.0, "max norm of the aggregated guide gradient (HtFLlib: 100)", gt=0)
 
 
 def guided_loss(
@@ -116,10 +107,8 @@ def meta_gradient(
 
     `theta' = theta - lr * grad_theta mean_b guided_loss(study_b)`, then
     `d/d guide mean_b CE(f_theta'(quiz_b))`, differentiated through the step. The model's
-    parameters and buffers are left untouched (the step runs on functional copies).
-
-    Returns:
-        `(gradient shaped like guide, the quiz loss)`.
+    parameters and buffers are left untouched (the step runs on functional copies). Returns
+    `(gradient shaped like guide, the quiz loss)`.
     """
     params = dict(model.named_parameters())
     buffers = {k: b.clone() for k, b in model.named_buffers()}  # BatchNorm stats stay as they were
@@ -153,10 +142,8 @@ def split_study_quiz(
 
     The last `quiz * batch_size` samples of the training split (at most half of them) are the
     quiz set, held out of local training; the study batches are the first `study` batches of a
-    shuffled pass (torch's seeded RNG) over the other samples.
-
-    Returns:
-        `(number of samples local training uses, study batches, quiz batches)`.
+    shuffled pass (torch's seeded RNG) over the other samples. Returns `(number of samples
+    local training uses, study batches, quiz batches)`.
     """
     n_quiz = min(quiz * batch_size, len(y) // 2)
     n_train = len(y) - n_quiz
@@ -171,13 +158,7 @@ def split_study_quiz(
 def guide_dim(params: FedL2GParams, ctx: ServerContext | ClientContext, arch: str) -> int:
     if params.guide == "logit":
         return ctx.num_classes
-    return _feature_dim(arch, tuple(ctx.in_shape), ctx.num_classes)
-
-
-@functools.lru_cache(maxsize=64)
-def _feature_dim(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
-    with torch.random.fork_rng(devices=[]):  # building must not consume the caller's stream
-        return build_model(arch, in_shape, num_classes).feature_dim
+    return arch_sizes(arch, tuple(ctx.in_shape), ctx.num_classes)[1]
 
 
 class FedL2GClient(ModelClient[FedL2GParams]):
@@ -228,6 +209,7 @@ class FedL2GClient(ModelClient[FedL2GParams]):
 
 class FedL2GServer(Server[FedL2GParams]):
     sum_form = "class_means"  # a per-class mean over the clients that cover the class
+    state_attrs = ("guide",)
 
     def __init__(self, ctx: ServerContext, params: FedL2GParams) -> None:
         super().__init__(ctx, params)
@@ -256,12 +238,6 @@ class FedL2GServer(Server[FedL2GParams]):
             "fedl2g/classes_guided": float(np.count_nonzero(mean["counts"])),
             "fedl2g/grad_norm": float(np.linalg.norm(mean["means"].astype(np.float64))),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"guide": {"vectors": self.guide.copy()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.guide = np.array(state["guide"]["vectors"], dtype=np.float32)
 
 
 ALGORITHMS.add(

@@ -21,9 +21,9 @@ Server: plain average of the clients' public-set logits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -41,15 +42,15 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
 )
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedMDParams:
+class FedMDParams(CheckedParams):
     public_samples: int = setting(
         5000,
         "the first this many public samples are the shared set (all of them when the split is smaller): 5000, the official code's N_alignment (diogenes0319/FedMD_clean conf/*.json), which draws a fresh random 5000 each round where rayfl keeps the same ones",
+        ge=1,
     )
     digest_epochs: int = setting(
         1, "passes fitting the consensus (official N_logits_matching_round 1)"
@@ -57,16 +58,7 @@ class FedMDParams:
     digest_loss: Literal["l1", "mse"] = setting(
         "l1", "l1: the paper's code (mean absolute error on logits)"
     )
-    digest_lr: float | None = setting(None, "None: train.lr")
-
-    def __post_init__(self) -> None:
-        require(self.public_samples >= 1, "algorithm.public_samples", "must be at least 1")
-        require(self.digest_epochs >= 0, "algorithm.digest_epochs", "must be >= 0")
-        require(
-            self.digest_lr is None or self.digest_lr > 0,
-            "algorithm.digest_lr",
-            "must be > 0 or null",
-        )
+    digest_lr: float | None = setting(None, "None: train.lr", gt=0)
 
 
 def consensus(scores: Sequence[np.ndarray]) -> np.ndarray:
@@ -131,6 +123,8 @@ class FedMDClient(ModelClient[FedMDParams]):
 
 
 class FedMDServer(Server[FedMDParams]):
+    state_attrs = ("consensus",)
+
     def __init__(self, ctx: ServerContext, params: FedMDParams) -> None:
         super().__init__(ctx, params)
         self.consensus: np.ndarray | None = None
@@ -143,12 +137,6 @@ class FedMDServer(Server[FedMDParams]):
         if scores:
             self.consensus = consensus(scores)
         return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consensus": self.consensus}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.consensus = None if state.get("consensus") is None else np.array(state["consensus"])
 
 
 ALGORITHMS.add(

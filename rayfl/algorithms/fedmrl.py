@@ -32,7 +32,6 @@ weights by samples and keeps the projector, as the paper and the official code d
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,12 +43,14 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     AveragingServer,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
     RoundContext,
     ServerContext,
     Trainer,
+    arch_sizes,
     load_numpy,
     to_numpy,
 )
@@ -60,7 +61,7 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedMRLParams:
+class FedMRLParams(CheckedParams):
     extractor: str | None = setting(
         None,
         "shared small homogeneous model's architecture; None: the family's smallest (as FML's meme)",
@@ -68,15 +69,12 @@ class FedMRLParams:
     sub_feature_dim: int | None = setting(
         None,
         "its representation size d1 (pooled down to it); None: the architecture's own feature size",
+        ge=1,
     )
 
     def __post_init__(self) -> None:
         check_shared_arch(self.extractor, "algorithm.extractor")
-        require(
-            self.sub_feature_dim is None or self.sub_feature_dim >= 1,
-            "algorithm.sub_feature_dim",
-            "must be at least 1 or null",
-        )
+        super().__post_init__()
 
 
 def shared_model(
@@ -96,12 +94,6 @@ def shared_model(
     )
     encoder = nn.Sequential(model.encoder, nn.AdaptiveAvgPool1d(d1))
     return SplitModel(encoder, nn.Linear(d1, num_classes), d1)
-
-
-@functools.lru_cache(maxsize=64)
-def _feature_dim(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
-    with torch.random.fork_rng(devices=[]):  # building must not consume the caller's stream
-        return build_model(arch, in_shape, num_classes).feature_dim
 
 
 def require_nested(d1: int, arch: str, d2: int) -> None:
@@ -161,12 +153,10 @@ class FedMRLClient(ModelClient[FedMRLParams]):
 
 
 class FedMRLServer(AveragingServer[FedMRLParams]):
-    name = "global"
-
     def __init__(self, ctx: ServerContext, params: FedMRLParams) -> None:
         model = shared_model(params, ctx.architectures, ctx.in_shape, ctx.num_classes)
         for arch in sorted(set(ctx.architectures)):  # refused here, before any client trains
-            d2 = _feature_dim(arch, tuple(ctx.in_shape), ctx.num_classes)
+            d2 = arch_sizes(arch, tuple(ctx.in_shape), ctx.num_classes)[1]
             require_nested(model.feature_dim, arch, d2)
         super().__init__(ctx, params, model)
 

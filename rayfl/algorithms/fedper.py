@@ -7,7 +7,7 @@ Shares: the feature extractor (`model.encoder`), both ways.
 Keeps local: the head (the personalization layers); the personalized model is the client's
 model after local training.
 Server: per architecture, the sample-weighted average of its clients' extractors
-(`rayfl.algorithms.groups`; with several architectures each group shares within itself).
+(`rayfl.algorithms.groups`).
 
 Deviations: none with one architecture.
 """

@@ -49,18 +49,15 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
-    ClientContext,
-    Payload,
-    RoundContext,
+    CheckedParams,
     ServerContext,
 )
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedProtoParams:
+class FedProtoParams(CheckedParams):
     lam: float = setting(
         1.0, "weight of the prototype distance (the paper's lambda; official default 1)"
     )
@@ -77,41 +74,11 @@ class FedProtoParams:
         "global prototype: unweighted mean over clients (official) or weighted by class counts",
     )
 
-    def __post_init__(self) -> None:
-        require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
-        require(
-            self.collect in ("train", "after"),
-            "algorithm.collect",
-            f"must be train or after (got {self.collect!r})",
-        )
-        require(
-            self.average in ("clients", "samples"),
-            "algorithm.average",
-            f"must be clients or samples (got {self.average!r})",
-        )
 
-
-class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
+class FedProtoClient(protos.ClassTableClient[FedProtoParams]):
     @classmethod
     def deploys_payload(cls, params: FedProtoParams) -> bool:
         return params.predict == "prototype"  # its own head needs no global prototype
-
-    def __init__(self, ctx: ClientContext, params: FedProtoParams) -> None:
-        super().__init__(ctx, params)
-        self.global_protos = torch.zeros(ctx.num_classes, self.model.feature_dim)
-        self.global_counts = torch.zeros(ctx.num_classes)
-
-    def receive(self, payload: Payload, rnd: RoundContext) -> None:
-        self.global_protos, self.global_counts = protos.stats_tensors(payload, self.ctx.device)
-
-    def collects_in_training(self) -> bool:
-        return self.params.collect == "train"
-
-    def averaged_over_clients(self) -> bool:
-        return self.params.average == "clients"
-
-    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_from(self.statistic(x), y)
 
     def loss_from(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss(values, y)
@@ -121,13 +88,13 @@ class FedProtoClient(protos.ClassStatsClient[FedProtoParams]):
         loss = F.cross_entropy(self.model.head(features), y)
         if self.params.lam > 0:
             loss = loss + self.params.lam * protos.masked_class_mse(
-                features, y, self.global_protos, self.global_counts
+                features, y, self.global_table, self.global_counts
             )
         return loss
 
     def eval_model(self) -> nn.Module:
         if self.params.predict == "prototype":
-            return protos.NearestPrototype(self.model, self.global_protos, self.global_counts)
+            return protos.NearestPrototype(self.model, self.global_table, self.global_counts)
         return self.model
 
 

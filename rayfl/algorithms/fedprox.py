@@ -20,23 +20,20 @@ from torch import nn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     Payload,
     RoundContext,
 )
 from rayfl.algorithms.fedavg import FedAvgClient, FedAvgServer
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedProxParams:
+class FedProxParams(CheckedParams):
     mu: float = setting(
         0.01, "proximal weight; 0 is FedAvg (the paper tunes it in {0.001, 0.01, 0.1, 1})"
     )
-
-    def __post_init__(self) -> None:
-        require(self.mu >= 0, "algorithm.mu", f"must be >= 0 (got {self.mu})")
 
 
 def proximal_term(

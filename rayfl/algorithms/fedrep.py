@@ -10,7 +10,7 @@ for `local_epochs`, two SGD optimizers); FL-bench `fedrep` (`train_body_epoch`).
 Shares: the feature extractor (`model.encoder`), both ways.
 Keeps local: the head; the personalized model is the client's model after both phases.
 Server: per architecture, the sample-weighted average of its clients' extractors
-(`rayfl.algorithms.groups`; with several architectures each group shares within itself).
+(`rayfl.algorithms.groups`).
 
 Defaults: `head_epochs=1` (PFLlib's `plocal_epochs` default; the paper runs more head than body
 updates per round: raise `algorithm.head_epochs`); the body trains for `train.local_epochs`.
@@ -22,20 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayfl.algorithms.base import ALGORITHMS, Algorithm, Trainer
+from rayfl.algorithms.base import ALGORITHMS, Algorithm, CheckedParams, Trainer
 from rayfl.algorithms.groups import GroupClient, GroupServer, frozen
-from rayfl.errors import require
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedRepParams:
+class FedRepParams(CheckedParams):
     head_epochs: int = setting(
-        1, "passes training the head (extractor frozen) before the extractor's"
+        1, "passes training the head (extractor frozen) before the extractor's", ge=1
     )
-
-    def __post_init__(self) -> None:
-        require(self.head_epochs >= 1, "algorithm.head_epochs", "must be >= 1")
 
 
 class FedRepClient(GroupClient[FedRepParams]):

@@ -14,8 +14,8 @@ Shares: the extractor and the generic head (the whole `SplitModel`), both ways.
 Keeps local: the personal head, which starts as a copy of the generic head of the first
 broadcast the client receives (PFLlib `clientrod.py:15` and FL-bench copy the generic head of
 the common initial model; with every client in the first round that is the same head).
-Server: per architecture, the sample-weighted average of the models (`rayfl.algorithms.groups`;
-with several architectures each group shares within itself); scored as `global/acc`.
+Server: per architecture, the sample-weighted average of the models (`rayfl.algorithms.groups`);
+scored as `global/acc`.
 
 Deviations: one optimizer over both heads' disjoint losses (their gradients never meet, so with
 SGD it equals PFLlib's two); the class counts are recounted from the client's train split each

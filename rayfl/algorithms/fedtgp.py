@@ -26,16 +26,15 @@ prototypes with plain SGD (learning rate `server_lr`, default `train.lr`; miniba
 `train.batch_size` pairs), as in HtFLlib's implementation.
 
 Defaults are the official code's (TsingZ0/FedTGP `system/run_me.sh`: `-lam 10 -se 100 -mart 100`;
-the generator's hidden width is the feature size, `server_hidden_dim = feature_dim`); the table
-of every algorithm's defaults and their sources is in docs/algorithms.md. The generator, the
-adaptive margin and the ACL loss are separate pieces, each with its own golden test.
+the generator's hidden width is the feature size, `server_hidden_dim = feature_dim`); docs/algorithms.md
+tables every algorithm's defaults and their sources.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,23 +45,21 @@ from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Payload,
     Reply,
     RoundContext,
     Server,
     ServerContext,
     ServerData,
-    load_numpy,
-    to_numpy,
 )
 from rayfl.algorithms.fedproto import FedProtoClient
-from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class FedTGPParams:
+class FedTGPParams(CheckedParams):
     lam: float = setting(
         10.0,
         "weight of the distance to the global prototype: 10 as in the official FedTGP code (TsingZ0/FedTGP system/run_me.sh `-lam 10`; HtFLlib system/total.sh), whose client says it follows FedProto's lambda of 10 (clienttgp.py). A small lam (0.1) leaves FedTGP far below local training.",
@@ -78,32 +75,10 @@ class FedTGPParams:
         100, "epochs of ACL over the uploaded prototypes per round (paper: S)"
     )
     margin_threshold: float = setting(100.0, "upper bound of the adaptive margin (paper: tau)")
-    server_lr: float | None = setting(None, "generator's SGD learning rate (None: train.lr)")
-    hidden_dim: int | None = setting(None, "generator's hidden width (None: the feature size)")
-
-    def __post_init__(self) -> None:
-        require(self.lam >= 0, "algorithm.lam", f"must be >= 0 (got {self.lam})")
-        require(
-            self.collect in ("train", "after"),
-            "algorithm.collect",
-            f"must be train or after (got {self.collect!r})",
-        )
-        require(self.server_epochs >= 0, "algorithm.server_epochs", "must be >= 0")
-        require(
-            self.margin_threshold >= 0,
-            "algorithm.margin_threshold",
-            f"must be >= 0 (got {self.margin_threshold})",
-        )
-        require(
-            self.server_lr is None or self.server_lr > 0,
-            "algorithm.server_lr",
-            "must be > 0 or null",
-        )
-        require(
-            self.hidden_dim is None or self.hidden_dim >= 1,
-            "algorithm.hidden_dim",
-            "must be at least 1 or null",
-        )
+    server_lr: float | None = setting(None, "generator's SGD learning rate (None: train.lr)", gt=0)
+    hidden_dim: int | None = setting(
+        None, "generator's hidden width (None: the feature size)", ge=1
+    )
 
 
 class FedTGPClient(FedProtoClient):  # FedTGPParams has FedProto's lam, predict and collect
@@ -131,17 +106,9 @@ class PrototypeGenerator(nn.Module):
 def adaptive_margin(
     prototypes: np.ndarray, labels: np.ndarray, threshold: float
 ) -> tuple[float, np.ndarray]:
-    """FedTGP's margin: `min(max_c gap_c, threshold)`.
-
-    Args:
-        prototypes: `(P, D)` uploaded prototypes.
-        labels: `(P,)` their classes.
-        threshold: the margin's upper bound (tau).
-
-    Returns:
-        `(margin, gaps)`: `gaps[i]` is the distance from the i-th uploaded class's (sorted) mean
-        prototype to the nearest other class's; with a single class, the gap is the threshold.
-    """
+    """FedTGP's margin `min(max_c gap_c, threshold)` of the `(P, D)` uploaded `prototypes` of
+    classes `labels`, and the gaps: `gaps[i]` is the distance from the i-th uploaded class's
+    (sorted) mean prototype to the nearest other class's (with a single class: the threshold)."""
     classes = np.unique(labels)
     centers = np.stack([prototypes[labels == c].astype(np.float64).mean(0) for c in classes])
     if len(classes) < 2:
@@ -164,6 +131,8 @@ def acl_loss(
 
 
 class FedTGPServer(Server[FedTGPParams]):
+    state_attrs = ("table",)
+
     def __init__(self, ctx: ServerContext, params: FedTGPParams) -> None:
         super().__init__(ctx, params)
         dim = build_model(ctx.architectures[0], ctx.in_shape, ctx.num_classes).feature_dim
@@ -217,12 +186,8 @@ class FedTGPServer(Server[FedTGPParams]):
         self.pairs = None
         return {"fedtgp/server_loss": total / count} if count else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": to_numpy(self.generator.state_dict()), "table": dict(self.table)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_numpy(self.generator, state["generator"])
-        self.table = {k: np.array(v) for k, v in state["table"].items()}
+    def state_modules(self) -> dict[str, nn.Module]:
+        return {"generator": self.generator}
 
 
 ALGORITHMS.add(

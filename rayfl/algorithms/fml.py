@@ -33,7 +33,6 @@ Server: mean of the memes, uniform or sample-weighted (scored on the server test
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -46,6 +45,7 @@ from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     AveragingServer,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -53,7 +53,9 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     Trainer,
+    arch_sizes,
     load_numpy,
+    reply_weights,
     to_numpy,
 )
 from rayfl.errors import require
@@ -74,14 +76,6 @@ def check_shared_arch(name: str | None, key: str) -> None:
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _num_params(arch: str, in_shape: tuple[int, ...], num_classes: int) -> int:
-    # fork_rng: counting must not consume the caller's random stream (a cache hit would not)
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(arch, in_shape, num_classes)
-    return sum(p.numel() for p in model.parameters())
-
-
 def shared_arch(
     name: str | None, archs: Sequence[str], in_shape: tuple[int, ...], num_classes: int
 ) -> str:
@@ -90,21 +84,21 @@ def shared_arch(
     CNN family shares one of its CNNs (e.g. `cnn5` in family cnn5) and not an MLP."""
     if name is not None:
         return name
-    return min(sorted(archs), key=lambda a: _num_params(a, tuple(in_shape), num_classes))
+    return min(sorted(archs), key=lambda a: arch_sizes(a, tuple(in_shape), num_classes)[0])
 
 
 @dataclass(frozen=True)
-class FMLParams:
+class FMLParams(CheckedParams):
     meme: str | None = setting(
         None, "shared meme architecture; None: the family's smallest (shared_arch)"
     )
     alpha: float = setting(
-        0.5, "private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5"
+        0.5, "private model: weight of CE (1 - alpha on the KL to the meme); paper 0.5", le=1
     )
     beta: float = setting(
-        0.5, "meme: weight of CE (1 - beta on the KL to the private model); paper 0.5"
+        0.5, "meme: weight of CE (1 - beta on the KL to the private model); paper 0.5", le=1
     )
-    T: float = setting(1.0, "KL temperature (the paper uses plain softmax, T = 1)")
+    T: float = setting(1.0, "KL temperature (the paper uses plain softmax, T = 1)", gt=0)
     kl_reduction: Literal["mean", "batchmean"] = setting(
         "mean",
         "KL averaged per entry (HtFLlib's nn.KLDivLoss() default, divides by the classes too) or per sample (batchmean)",
@@ -116,16 +110,7 @@ class FMLParams:
 
     def __post_init__(self) -> None:
         check_shared_arch(self.meme, "algorithm.meme")
-        require(0 <= self.alpha <= 1, "algorithm.alpha", f"must be in [0, 1] (got {self.alpha})")
-        require(0 <= self.beta <= 1, "algorithm.beta", f"must be in [0, 1] (got {self.beta})")
-        require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
-        check_choice(self.kl_reduction, fn.KD_REDUCTIONS, "algorithm.kl_reduction")
-        check_choice(self.weighting, ("uniform", "samples"), "algorithm.weighting")
-
-
-def check_choice(value: object, choices: Sequence[str], key: str) -> None:
-    """One clear line when `value` is not one of `choices`."""
-    require(value in choices, key, f"must be one of {', '.join(choices)} (got {value!r})")
+        super().__post_init__()
 
 
 def target(logits: torch.Tensor, detach: bool) -> torch.Tensor:
@@ -146,11 +131,6 @@ def mutual_losses(
         meme_logits, target(private_logits, p.detach), p.T, red
     )
     return private, meme
-
-
-def mean_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
-    """Aggregation weights of the replies: 1 each (`uniform`) or their training samples."""
-    return [1.0 if weighting == "uniform" else float(r.num_samples) for r in replies]
 
 
 class FMLClient(ModelClient[FMLParams]):
@@ -184,7 +164,7 @@ class FMLServer(AveragingServer[FMLParams]):
         super().__init__(ctx, params, build_model(meme, ctx.in_shape, ctx.num_classes))
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
-        weights = mean_weights(replies, self.params.weighting)
+        weights = reply_weights(replies, self.params.weighting)
         load_numpy(self.shared, fn.weighted_average([r.payload for r in replies], weights))
         return {}
 

@@ -15,6 +15,7 @@ tensor}`), so the server broadcasts and averages exactly the entries the clients
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import ClassVar
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from rayfl.algorithms.base import (
+    ClientContext,
     ModelClient,
     P,
     Payload,
@@ -117,6 +119,19 @@ class GroupClient(ModelClient[P]):
 
     def upload(self) -> Payload:
         return to_numpy(PARTS[self.part](self.shared_model()))
+
+
+class GlobalCopyClient(GroupClient[P]):
+    """A group client with two models of its architecture: the personal `self.model` it keeps,
+    and `self.global_model`, a transient copy that takes the broadcast, trains and is uploaded
+    (Ditto, APFL, FedBABU)."""
+
+    def __init__(self, ctx: ClientContext, params: P) -> None:
+        super().__init__(ctx, params)
+        self.global_model = copy.deepcopy(self.model)
+
+    def shared_model(self) -> nn.Module:
+        return self.global_model
 
 
 class GroupServer(Server[P]):

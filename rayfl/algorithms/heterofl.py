@@ -16,11 +16,8 @@ implemented; its ResNet is pre-activation (lines 44-50, 148) where `resnet_width
 ResNet-18 of the FedFD paper; it rounds channels up (`ceil(c * r)`, line 164) where rayfl rounds
 to nearest; its scaler sits before each normalisation with rate width / global width (lines 45,
 48, 165), rayfl's after each conv with the absolute width (the same for a full-width global
-model). docs/algorithms.md has the table.
-
-`rayfl.algorithms.fedfd` builds on this module: same clients and aggregation, plus server-side
-ensemble distillation. That is why it runs past the 200-line house limit: the width-family check
-and the width-model builder (static BN, scaler) live here once for HeteroFL, FedFD and FedDF.
+model). docs/algorithms.md has the table. FedFD and FedDF reuse both halves
+(`rayfl.algorithms.fedfd`).
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from torch import nn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     ClientContext,
     ModelClient,
     Payload,
@@ -45,6 +43,7 @@ from rayfl.algorithms.base import (
     ServerContext,
     Trainer,
     load_numpy,
+    reply_weights,
     to_numpy,
 )
 from rayfl.errors import ConfigError, require
@@ -52,15 +51,6 @@ from rayfl.models.base import SplitModel
 from rayfl.models.resnet import ResNet18, resnet_width
 from rayfl.models.slicing import aggregate_sliced, slice_state, state_shapes
 from rayfl.schema import setting
-
-__all__ = [
-    "HeteroFLClient",
-    "HeteroFLParams",
-    "HeteroFLServer",
-    "build_width_model",
-    "check_width_family",
-    "entry_weights",
-]
 
 
 def _is_width_arch(arch: str) -> bool:
@@ -72,7 +62,7 @@ def _is_width_arch(arch: str) -> bool:
 
 
 @dataclass(frozen=True)
-class HeteroFLParams:
+class HeteroFLParams(CheckedParams):
     """HeteroFL hyperparameters."""
 
     global_arch: str = setting(
@@ -89,6 +79,7 @@ class HeteroFLParams:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(
             _is_width_arch(self.global_arch),
             "algorithm.global_arch",
@@ -103,11 +94,8 @@ HP = TypeVar("HP", bound=HeteroFLParams)
 def build_width_model(
     arch: str, in_shape: Sequence[int], num_classes: int, params: HeteroFLParams
 ) -> ResNet18:
-    """The width-scaled ResNet-18 named `arch`, with HeteroFL's static BN and scaler per `params`.
-
-    Raises:
-        ConfigError: `arch` is not in the `resnet_widths` family or the input is not an image.
-    """
+    """The width-scaled ResNet-18 named `arch`, with HeteroFL's static BN and scaler per `params`
+    (a ConfigError for an architecture outside `resnet_widths` or an input that is no image)."""
     check_width_family([arch], HeteroFLParams())
     if len(in_shape) != 3:
         raise ConfigError(
@@ -123,13 +111,8 @@ def build_width_model(
 
 
 def check_width_family(archs: Sequence[str], params: HeteroFLParams) -> None:
-    """Refuse client architectures that are not width slices of `params.global_arch`.
-
-    Cheap (no model is built), so the engine can call it before any data is loaded.
-
-    Raises:
-        ConfigError: an architecture outside `resnet_widths`, or one wider than the global model.
-    """
+    """Refuse client architectures that are not width slices of `params.global_arch`; cheap (no
+    model is built), so the engine can call it before any data is loaded."""
     global_width = resnet_width(params.global_arch)
     for arch in archs:
         if not _is_width_arch(arch):
@@ -148,13 +131,6 @@ def _meta_model(arch: str, ctx: ServerContext, params: HeteroFLParams) -> ResNet
     # Shapes and feature sizes only: the meta device allocates nothing and draws no random numbers.
     with torch.device("meta"):
         return build_width_model(arch, ctx.in_shape, ctx.num_classes, params)
-
-
-def entry_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
-    """One aggregation weight per reply: 1 each (`uniform`) or its sample count (`samples`)."""
-    if weighting == "samples":
-        return [float(r.num_samples) for r in replies]
-    return [1.0] * len(replies)
 
 
 def _as_tensors(payload: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -210,7 +186,7 @@ class HeteroFLServer(Server[HP]):
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         subs = [_as_tensors(r.payload) for r in replies]
         state = aggregate_sliced(
-            self.model.state_dict(), subs, entry_weights(replies, self.params.weighting)
+            self.model.state_dict(), subs, reply_weights(replies, self.params.weighting)
         )
         self.model.load_state_dict(state)
         return {}

@@ -27,11 +27,10 @@ proxy update, and EMA of the global proxy applied every `ema_every` rounds.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +39,7 @@ from rayfl.algorithms import functional as fn
 from rayfl.algorithms.base import (
     ALGORITHMS,
     Algorithm,
+    CheckedParams,
     Client,
     ClientContext,
     ModelClient,
@@ -59,11 +59,11 @@ from rayfl.schema import setting
 
 
 @dataclass(frozen=True)
-class PFedESParams:
+class PFedESParams(CheckedParams):
     variant: str = setting(
         "kd", "kd | input | stats (rayfl.algorithms.pfedes_stats): a name in VARIANTS"
     )
-    T: float = setting(4.0, "distillation temperature (kd)")
+    T: float = setting(4.0, "distillation temperature (kd)", gt=0)
     alpha: float = setting(
         0.1,
         "kd: weight of the proxy's KD loss in the objective; the local logits are detached, so it scales the proxy's gradient only with alpha_scales_proxy, and the reported loss otherwise",
@@ -75,21 +75,25 @@ class PFedESParams:
     beta: float = setting(
         0.0, "return path: local model distils from the received proxy (0 = the literal method)"
     )
-    embed_dim: int = setting(128, "proxy embedding size (kd)")
-    proxy_lr: float | None = setting(None, "kd: the proxy's own learning rate (null: train.lr)")
-    mu: float = setting(0.5, "stage-1 weight of the proxied path (input)")
+    embed_dim: int = setting(128, "proxy embedding size (kd)", ge=1)
+    proxy_lr: float | None = setting(
+        None, "kd: the proxy's own learning rate (null: train.lr)", gt=0
+    )
+    mu: float = setting(0.5, "stage-1 weight of the proxied path (input)", le=1)
     proxy_epochs: int | None = setting(
         None, "stage-2 epochs (input); None: local_epochs + 10 as in the official code"
     )
-    weight_cap: float | None = setting(None, "server: no client weighs more than this (e.g. 0.3)")
+    weight_cap: float | None = setting(
+        None, "server: no client weighs more than this (e.g. 0.3)", gt=0, le=1
+    )
     clip_update: float | None = setting(
-        None, "server: L2 bound on each client's proxy update (e.g. 5.0)"
+        None, "server: L2 bound on each client's proxy update (e.g. 5.0)", gt=0
     )
     ema: float | None = setting(
-        None, "server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)"
+        None, "server: global = ema * global + (1 - ema) * aggregated (e.g. 0.9)", lt=1
     )
     ema_every: int = setting(
-        1, "server: apply the EMA every k rounds (plain replacement otherwise)"
+        1, "server: apply the EMA every k rounds (plain replacement otherwise)", ge=1
     )
     shared_optimizer: bool = setting(
         False,
@@ -106,46 +110,11 @@ class PFedESParams:
             "algorithm.variant",
             f"{self.variant!r} is not a pFedES variant; choose one of {', '.join(VARIANTS)}",
         )
-        require(self.T > 0, "algorithm.T", f"temperature must be > 0 (got {self.T})")
-        require(self.alpha >= 0, "algorithm.alpha", f"must be >= 0 (got {self.alpha})")
-        require(self.beta >= 0, "algorithm.beta", f"must be >= 0 (got {self.beta})")
-        require(self.embed_dim >= 1, "algorithm.embed_dim", "must be at least 1")
+        super().__post_init__()
         require(
             not (self.alpha_scales_proxy and self.proxy_lr is not None),
             "algorithm.proxy_lr",
             "alpha_scales_proxy steps the proxy by alpha * train.lr; drop one of the two",
-        )
-        require(
-            self.proxy_lr is None or self.proxy_lr > 0,
-            "algorithm.proxy_lr",
-            f"must be > 0 or null (got {self.proxy_lr})",
-        )
-        require(0 <= self.mu <= 1, "algorithm.mu", f"must be in [0, 1] (got {self.mu})")
-        require(
-            self.weight_cap is None or 0 < self.weight_cap <= 1,
-            "algorithm.weight_cap",
-            f"must be in (0, 1] or null (got {self.weight_cap})",
-        )
-        require(
-            self.clip_update is None or self.clip_update > 0,
-            "algorithm.clip_update",
-            "must be > 0 or null",
-        )
-        require(
-            self.ema is None or 0 <= self.ema < 1,
-            "algorithm.ema",
-            f"must be in [0, 1) or null (got {self.ema})",
-        )
-        require(self.ema_every >= 1, "algorithm.ema_every", "must be at least 1")
-        require(
-            self.proxy_epochs is None or self.proxy_epochs >= 0,
-            "algorithm.proxy_epochs",
-            "must be >= 0",
-        )
-        require(
-            self.weights in ("train", "all"),
-            "algorithm.weights",
-            f"must be train or all (got {self.weights!r})",
         )
         for key, on in (
             ("shared_optimizer", self.shared_optimizer),
@@ -320,6 +289,7 @@ class PFedESServer(Server[PFedESParams]):
     `PFedESServer(ctx, params)` returns the server class of `params.variant`."""
 
     sum_form: ClassVar[str | None] = "weighted_mean"  # a sample-weighted average (rayfl.privacy)
+    state_attrs = ("momentum",)
 
     @staticmethod
     def variant_class(params: PFedESParams) -> type[Server[PFedESParams]]:
@@ -365,13 +335,6 @@ class PFedESServer(Server[PFedESParams]):
 
     def state_modules(self) -> dict[str, nn.Module]:
         return {"proxy": self.proxy}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "momentum": dict(self.momentum)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.momentum = {k: np.array(v) for k, v in state.get("momentum", {}).items()}
 
 
 class PFedESOwnWeightsServer(PFedESServer):

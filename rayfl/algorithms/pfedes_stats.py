@@ -34,11 +34,9 @@ import torch.nn.functional as F
 from rayfl.algorithms import protos
 from rayfl.algorithms.base import (
     ClientContext,
-    ModelClient,
     Payload,
     RoundContext,
     ServerContext,
-    Trainer,
 )
 
 
@@ -64,15 +62,8 @@ def class_kd_loss(
     temperature: float,
 ) -> torch.Tensor:
     """`T^2 * KL(table[y] || softmax(logits / T))` per sample, batch mean over every sample;
-    samples whose class has no entry (`counts[y] == 0`) contribute zero.
-
-    Args:
-        logits: `(B, C)` student logits.
-        labels: `(B,)` labels.
-        table: `(C, C)` per-class mean soft predictions (rows are distributions).
-        counts: `(C,)` samples behind each row (0: unknown class).
-        temperature: T.
-    """
+    `table` holds per-class mean soft predictions, and samples whose class has no entry
+    (`counts[y] == 0`) contribute zero."""
     t = float(temperature)
     # Rows are renormalized: a DP-noised table (rayfl.privacy) need not hold distributions.
     target = table[labels].clamp_min(1e-12)
@@ -83,8 +74,9 @@ def class_kd_loss(
     return (per_sample * known).mean() * (t * t)
 
 
-class PFedESStatsClient(ModelClient[P]):
-    """Trains the local model with CE plus distillation from the received class table."""
+class PFedESStatsClient(protos.ClassStatsClient[P]):
+    """Trains the local model with CE plus distillation from the received class table; uploads
+    the class means of its soft predictions at temperature T, after training."""
 
     deployed_uses_payload = False  # deploys its local model
 
@@ -92,7 +84,6 @@ class PFedESStatsClient(ModelClient[P]):
         super().__init__(ctx, params)
         c = ctx.num_classes
         self.table, self.counts = torch.zeros(c, c), torch.zeros(c)
-        self.stats: Payload = {}
 
     def receive(self, payload: Payload, rnd: RoundContext) -> None:
         self.table, self.counts = protos.stats_tensors(payload, self.ctx.device)
@@ -102,28 +93,11 @@ class PFedESStatsClient(ModelClient[P]):
         logits = self.model(x)
         loss = F.cross_entropy(logits, y)
         if p.alpha > 0:
-            loss = loss + p.alpha * class_kd_loss(
-                logits,
-                y,
-                self.table,
-                self.counts,
-                p.T,
-            )
+            loss = loss + p.alpha * class_kd_loss(logits, y, self.table, self.counts, p.T)
         return loss
 
-    def fit(self, trainer: Trainer) -> dict[str, float]:
-        metrics = trainer.run(self.training_step, [self.model])
-        self.model.eval()  # the statistics describe the model as trained this round
-        t = float(self.params.T)
-        self.stats = protos.class_means(
-            lambda x: F.softmax(self.model(x) / t, dim=1),
-            trainer.batches("train"),
-            self.ctx.num_classes,
-        )
-        return metrics
-
-    def upload(self) -> Payload:
-        return self.stats
+    def statistic(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.model(x) / float(self.params.T), dim=1)
 
 
 class PFedESStatsServer(protos.ClassTableServer[P]):

@@ -10,6 +10,7 @@ Not an algorithm module but the helpers four of them share (FD, FedProto, FedGH,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -45,16 +46,8 @@ def class_sums(
 def class_means(
     fn: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[Batch], num_classes: int
 ) -> Payload:
-    """Per-class means of `fn(x)` over `batches`, as a class-statistics payload.
-
-    Args:
-        fn: maps a batch of inputs to `(B, D)` values (features for prototypes, logits for FD).
-        batches: `(x, y)` batches, e.g. a client's training split.
-        num_classes: number of classes `C`.
-
-    Returns:
-        `{"means": (C, D) float32, "counts": (C,) float32}`; unseen classes have a zero row.
-    """
+    """Per-class means of the `(B, D)` values `fn(x)` (features for prototypes, logits for FD)
+    over `(x, y)` batches, as a class-statistics payload (unseen classes: a zero row)."""
     sums: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     for x, y in batches:
@@ -133,11 +126,8 @@ def masked_class_mse(
 
 
 def prototype_pairs(stats: Sequence[Mapping[str, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Every (prototype, class) pair of the uploaded class statistics, clients in order.
-
-    Returns:
-        `(protos (P, D) float32, labels (P,) int64)` for each client's classes with count > 0.
-    """
+    """Every (prototype, class) pair of the uploaded class statistics with count > 0, clients
+    in order: `(protos (P, D) float32, labels (P,) int64)`."""
     protos: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     for s in stats:
@@ -220,12 +210,49 @@ class ClassStatsClient(ModelClient[P]):
         return self.stats
 
 
+class TableParams(Protocol):
+    @property
+    def collect(self) -> str: ...  # "train": statistics of the training steps
+
+    @property
+    def average(self) -> str: ...  # "clients": the server averages over clients
+
+
+TP = TypeVar("TP", bound=TableParams)
+
+
+class ClassTableClient(ClassStatsClient[TP]):
+    """A client trained against the server's class table of `dim` columns (FD's class logits;
+    default: the feature size, FedProto's prototypes): its Params' `collect` says whether its
+    statistics come from the training steps, `average` whether the server averages them over
+    clients."""
+
+    def __init__(self, ctx: ClientContext, params: TP, dim: int | None = None) -> None:
+        super().__init__(ctx, params)
+        dim = self.model.feature_dim if dim is None else dim
+        self.global_table = torch.zeros(ctx.num_classes, dim)
+        self.global_counts = torch.zeros(ctx.num_classes)
+
+    def receive(self, payload: Payload, rnd: RoundContext) -> None:
+        self.global_table, self.global_counts = stats_tensors(payload, self.ctx.device)
+
+    def collects_in_training(self) -> bool:
+        return self.params.collect == "train"
+
+    def averaged_over_clients(self) -> bool:
+        return self.params.average == "clients"
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_from(self.statistic(x), y)
+
+
 class ClassTableServer(Server[P]):
     """Server of per-class statistics (FD's class logits, FedProto's prototypes): it averages the
     clients' tables per class by count and broadcasts the result."""
 
     prefix = "classes"
     sum_form = "class_means"
+    state_attrs = ("table",)
 
     def __init__(self, ctx: ServerContext, params: P, dim: int) -> None:
         super().__init__(ctx, params)
@@ -237,14 +264,6 @@ class ClassTableServer(Server[P]):
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
         self.table = aggregate_class_means([r.payload for r in replies])
         return {f"{self.prefix}/classes_known": float(np.count_nonzero(self.table["counts"]))}
-
-    def state_dict(self) -> dict[str, object]:
-        return {"table": dict(self.table)}
-
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        table = state["table"]
-        assert isinstance(table, Mapping)
-        self.table = {k: np.array(v) for k, v in table.items()}
 
 
 class NearestPrototype(nn.Module):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfl.algorithms.base import ClientContext, RoundContext, ServerContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, RoundContext, ServerContext, TrainConfig
 from rayfl.algorithms.pfedes import PFedESClient, PFedESParams, PFedESServer
 from rayfl.algorithms.pfedes_stats import PFedESStatsClient, PFedESStatsServer, class_kd_loss
 from tests.algorithms import test_contract
@@ -32,7 +32,7 @@ def test_class_kd_loss_golden():
 
 def test_variant_stats_builds_its_own_halves():
     params = PFedESParams(variant="stats", T=2.0)
-    train = TrainSettings()
+    train = TrainConfig()
     ctx = ClientContext("tiny_a", (1, 8, 8), 3, CPU, train)
     client = PFedESClient(ctx, params)
     assert isinstance(client, PFedESStatsClient)
@@ -45,7 +45,7 @@ def test_variant_stats_builds_its_own_halves():
 
 def test_uploaded_statistics_are_class_mean_soft_predictions():
     params = PFedESParams(variant="stats", T=2.0)
-    ctx = ClientContext("tiny_a", (1, 8, 8), 3, CPU, TrainSettings())
+    ctx = ClientContext("tiny_a", (1, 8, 8), 3, CPU, TrainConfig())
     client = PFedESClient(ctx, params)
     x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 0, 1, 1, 1, 2])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayfl.algorithms.base import ClientContext, Reply, RoundContext, TrainSettings
+from rayfl.algorithms.base import ClientContext, Reply, RoundContext, TrainConfig
 from rayfl.algorithms.pfedes import PFedESClient, PFedESParams
 from rayfl.algorithms.pfedes_stats import class_kd_loss
 from rayfl.config import DPConfig, PrivacyConfig, SecAggConfig
@@ -88,7 +88,7 @@ def test_dp_clips_the_update_not_the_payload():
 
 def test_the_stats_client_distils_from_the_table_it_receives():
     params = PFedESParams(variant="stats", T=2.0, alpha=1.0)
-    ctx = ClientContext("tiny_a", (1, 8, 8), 3, torch.device("cpu"), TrainSettings())
+    ctx = ClientContext("tiny_a", (1, 8, 8), 3, torch.device("cpu"), TrainConfig())
     client = PFedESClient(ctx, params)
     table = np.array([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6]], np.float32)
     counts = np.array([5.0, 0.0, 2.0], np.float32)
