@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rayfl.clusterconfig import cluster_size, validate_cluster_config
 from rayfl.config import load_config
 from rayfl.errors import ENVIRONMENT, UserError, environment_error, one_line
 from rayfl.launch import default_run_dir, final_table, rejected_replies, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
-from rayfl.validate import load_cluster, refuse_other_kinds, split_overrides, validate_file
+from rayfl.validate import refuse_other_kinds, split_overrides, validate_file
 
 log = logging.getLogger("rayfl")
 
@@ -109,7 +110,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "rayfl validate needs at least one file (e.g. experiments/pfedes_fmnist.yaml)"
         )
     overrides = [*positional, *args.overrides]
-    cluster = load_cluster(args.cluster) if args.cluster else None
+    cluster = None
+    if args.cluster:
+        cluster = cluster_size(validate_cluster_config(args.cluster), args.cluster)
     for path in files:
         notes: list[str] = []
         describe = validate_file(path, overrides, cluster=cluster, notes=notes)
