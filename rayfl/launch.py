@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfl.schema import RunConfig
+from rayfl.tables import text_table
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -107,13 +108,6 @@ def _simulate_locked(
     return result
 
 
-def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
-    width = max(len(k) for k, _ in rows)
-    lines = [title] if title else []
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return "\n".join(lines)
-
-
 def final_table(result: Any, wall_s: float) -> str:
     cfg: RunConfig = result.config
     final = result.final
@@ -154,7 +148,8 @@ def final_table(result: Any, wall_s: float) -> str:
     from rayfl.engine.callbacks import proxy_health
 
     warning = proxy_health(cfg, result.history)
-    return format_table(rows, title) + (f"\n  {warning}" if warning else "")
+    lines = [title, *text_table(rows[0], rows[1:])]
+    return "\n".join(lines) + (f"\n  {warning}" if warning else "")
 
 
 def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:
