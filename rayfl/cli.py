@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rayfl import plugins
 from rayfl.clusterconfig import cluster_size, validate_cluster_config
 from rayfl.config import load_config
 from rayfl.errors import ENVIRONMENT, UserError, environment_error, one_line
@@ -334,23 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse(argv)
-    except UserError as exc:
-        print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    # MLflow's source tag; Ray workers and Tune trials inherit it
-    os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        from rayfl import plugins
-
+        args = parse(argv)
+        # MLflow's source tag; Ray workers and Tune trials inherit it
+        os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         plugins.add(getattr(args, "plugin", None))
         return int(args.fn(args) or 0)
     except UserError as exc:
