@@ -24,10 +24,8 @@ def check(cfg: RunConfig) -> None:
     from rayfl.data import DATASETS, PARTITIONERS  # torch: only once every key is valid
 
     d, e = cfg.data, cfg.engine
-    if d.dataset not in DATASETS:
-        DATASETS.get(d.dataset, key="data.dataset")
-    if d.partition.name not in PARTITIONERS:
-        PARTITIONERS.get(d.partition.name, key="data.partition.name")
+    DATASETS.get(d.dataset, key="data.dataset")  # an unknown name: one line with the choices
+    PARTITIONERS.get(d.partition.name, key="data.partition.name")
     if e.clients_per_round is not None:
         require(
             e.clients_per_round <= d.num_clients,
