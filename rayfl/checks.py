@@ -163,12 +163,7 @@ def _train_size(cfg: RunConfig) -> tuple[int, int] | None:
 
 def check_feasible(cfg: RunConfig) -> None:
     """Refuse what would fail only once the data is loaded or a round ran: a partition the
-    training set cannot give, more required replies than sampled clients.
-
-    Raises:
-        ConfigError: one line naming the key and the fix.
-    """
-
+    training set cannot give, more required replies than sampled clients."""
     per_round = clients_per_round(cfg)
     require(
         cfg.engine.min_replies <= per_round,

@@ -194,27 +194,21 @@ def local_cpus(e: EngineConfig) -> float:
     return float(e.ray_num_cpus or os.cpu_count() or 1)
 
 
-def local_resources(e: EngineConfig) -> dict[str, float]:
-    """A private Ray's CPUs and GPUs (GPUs counted only when the run asks for any)."""
-    asks_gpu = any(r.num_gpus > 0 for _, r in shapes(e))
-    return {"CPU": local_cpus(e), "GPU": float(local_gpus()) if asks_gpu else 0.0}
-
-
 def check_local(e: EngineConfig) -> None:
     """`rayfl run` before it starts a private Ray: the server and workers fit this machine (no
     GPU asked of a machine without one), else a UserError."""
     if e.executor != "ray" or e.address:
         return
-    total = local_resources(e)
     w, s = e.worker_resources, e.server_resources
+    gpus = float(local_gpus()) if any(r.num_gpus > 0 for _, r in shapes(e)) else 0.0
     by_arch = max((r.num_gpus for r in e.resources_by_arch.values()), default=0.0)
-    if total["GPU"] == 0 and (w.num_gpus > 0 or s.num_gpus > 0 or by_arch > 0):
+    if gpus == 0 and (w.num_gpus > 0 or s.num_gpus > 0 or by_arch > 0):
         raise UserError(
             f"engine.worker_resources / resources_by_arch / server_resources ask for "
             f"{w.num_gpus:g} / {by_arch:g} / {s.num_gpus:g} GPU but this machine has no GPU; "
             f"{GPU_CLUSTER}"
         )
-    check_shapes(e, total, where="this machine")
+    check_shapes(e, {"CPU": local_cpus(e), "GPU": gpus}, where="this machine")
 
 
 def local_note(e: EngineConfig) -> str:
