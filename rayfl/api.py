@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from rayfl import plugins as _plugins
 from rayfl.config import build_config, read_yaml
@@ -29,8 +30,6 @@ from rayfl.tables import read_table
 
 if TYPE_CHECKING:
     from rayfl.tune import SweepResult
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,10 +75,13 @@ def overrides_of(kwargs: Mapping[str, Any], strings: Sequence[str] = ()) -> list
     return out
 
 
-def _clean_errors(fn: Callable[[], T]) -> T:
-    """Run `fn`; a UserError that Ray wrapped (raised in an actor or task) comes out as itself."""
+@contextmanager
+def _api_call(plugins: Sequence[str]) -> Iterator[None]:
+    """Name `plugins` for this process; a UserError that Ray wrapped (raised in an actor or
+    task) comes out as itself."""
     try:
-        return fn()
+        _plugins.add(list(plugins))
+        yield
     except UserError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, UserError):
@@ -105,10 +107,8 @@ def run(
     """
     from rayfl.launch import default_run_dir, simulate
 
-    def go() -> RunResult:
-        _plugins.add(list(plugins))
-        raw = _raw(config)
-        cfg = build_config(raw, overrides_of(overrides, strings))
+    with _api_call(plugins):
+        cfg = build_config(_raw(config), overrides_of(overrides, strings))
         if resume and out is None:
             raise UserError("rayfl.run(resume=True) needs out=<the run directory to continue>")
         run_dir = Path(out) if out is not None else default_run_dir(cfg)
@@ -122,8 +122,6 @@ def run(
             status=result.status,
             config=cfg,
         )
-
-    return _clean_errors(go)
 
 
 def _raw(config: str | Path | Mapping[str, Any] | RunConfig) -> dict[str, Any]:
@@ -152,10 +150,12 @@ def suite(
     suite's own keys (`seeds=[0]`, `algorithms=["local"]`, `parallel=2`)."""
     from rayfl.compare import load_suite, run_suite
 
-    def go() -> SuiteResult:
-        _plugins.add(list(plugins))
+    with _api_call(plugins):
         cli = overrides_of(overrides, strings)
-        folder = Path(out) if out is not None else _default_suite_out(path, cli)
+        if out is None:
+            name = load_suite(path, cli).name
+            out = Path("runs") / f"suite-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        folder = Path(out)
         table = run_suite(
             path, cli, out=folder, progress=progress, keep_checkpoints=keep_checkpoints
         )
@@ -165,12 +165,6 @@ def suite(
             runs=read_table(folder / "runs.parquet"),
             results=read_table(folder / "results.parquet"),
         )
-
-    def _default_suite_out(path: str | Path, cli: list[str]) -> Path:
-        name = load_suite(path, cli).name
-        return Path("runs") / f"suite-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-    return _clean_errors(go)
 
 
 def sweep(
@@ -185,8 +179,5 @@ def sweep(
     entry is a string: `"space.algorithm.T={grid: [2.0, 4.0]}"`."""
     from rayfl.tune import sweep_and_report
 
-    def go() -> SweepResult:
-        _plugins.add(list(plugins))
+    with _api_call(plugins):
         return sweep_and_report(path, overrides_of(overrides, strings), out)[0]
-
-    return _clean_errors(go)

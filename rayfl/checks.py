@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rayfl.errors import ConfigError, require
+from rayfl.resources import check_engine
 from rayfl.schema import RunConfig, clients_per_round
 
 if TYPE_CHECKING:
@@ -21,13 +22,10 @@ if TYPE_CHECKING:
 def check(cfg: RunConfig) -> None:
     """Checks across keys that need no data: registry names, resources, devices, domains."""
     from rayfl.data import DATASETS, PARTITIONERS  # torch: only once every key is valid
-    from rayfl.resources import check_ray_num_cpus
 
     d, e = cfg.data, cfg.engine
-    if d.dataset not in DATASETS:
-        DATASETS.get(d.dataset, key="data.dataset")
-    if d.partition.name not in PARTITIONERS:
-        PARTITIONERS.get(d.partition.name, key="data.partition.name")
+    DATASETS.get(d.dataset, key="data.dataset")  # an unknown name: one line with the choices
+    PARTITIONERS.get(d.partition.name, key="data.partition.name")
     if e.clients_per_round is not None:
         require(
             e.clients_per_round <= d.num_clients,
@@ -35,32 +33,9 @@ def check(cfg: RunConfig) -> None:
             f"{e.clients_per_round} sampled clients but only {d.num_clients} exist; "
             f"lower it or raise data.num_clients",
         )
-    shapes = [("worker_resources", e.worker_resources), ("server_resources", e.server_resources)]
-    shapes += [(f"resources_by_arch.{a}", r) for a, r in e.resources_by_arch.items()]
-    for name, res in shapes:  # every number is >= 0 already (`rayfl.config`)
-        for attr in ("num_cpus", "num_gpus"):
-            value = getattr(res, attr)
-            require(
-                value <= 1 or float(value).is_integer(),
-                f"engine.{name}.{attr}",
-                f"fractions above 1 must be whole numbers (got {value})",
-            )
-    for name, res in shapes:
-        require(
-            name == "server_resources" or res.num_cpus > 0 or res.num_gpus > 0,
-            f"engine.{name}",
-            "a worker must reserve some CPU or GPU",
-        )
-    require(
-        e.server_in != "driver"
-        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
-        "engine.server_in",
-        "driver runs the server in the driver's process, which reserves nothing; set "
-        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
-    )
+    check_engine(e)  # reservations; a private Ray too small for one worker fails after its start
     check_devices(cfg)
     check_domains(cfg)
-    check_ray_num_cpus(e)  # a private Ray too small for one worker fails only after its start
     if cfg.model.proportions is not None:
         require(
             all(p > 0 for p in cfg.model.proportions),
@@ -188,12 +163,7 @@ def _train_size(cfg: RunConfig) -> tuple[int, int] | None:
 
 def check_feasible(cfg: RunConfig) -> None:
     """Refuse what would fail only once the data is loaded or a round ran: a partition the
-    training set cannot give, more required replies than sampled clients.
-
-    Raises:
-        ConfigError: one line naming the key and the fix.
-    """
-
+    training set cannot give, more required replies than sampled clients."""
     per_round = clients_per_round(cfg)
     require(
         cfg.engine.min_replies <= per_round,

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rayfl import plugins
+from rayfl.clusterconfig import cluster_size, validate_cluster_config
 from rayfl.config import load_config
 from rayfl.errors import ENVIRONMENT, UserError, environment_error, one_line
 from rayfl.launch import default_run_dir, final_table, rejected_replies, simulate
 from rayfl.tracking.provenance import COMMAND_ENV
-from rayfl.validate import load_cluster, refuse_other_kinds, split_overrides, validate_file
+from rayfl.validate import refuse_other_kinds, split_overrides, validate_file
 
 log = logging.getLogger("rayfl")
 
@@ -109,7 +111,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "rayfl validate needs at least one file (e.g. experiments/pfedes_fmnist.yaml)"
         )
     overrides = [*positional, *args.overrides]
-    cluster = load_cluster(args.cluster) if args.cluster else None
+    cluster = None
+    if args.cluster:
+        cluster = cluster_size(validate_cluster_config(args.cluster), args.cluster)
     for path in files:
         notes: list[str] = []
         describe = validate_file(path, overrides, cluster=cluster, notes=notes)
@@ -331,23 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse(argv)
-    except UserError as exc:
-        print(f"rayfl: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    # MLflow's source tag; Ray workers and Tune trials inherit it
-    os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        from rayfl import plugins
-
+        args = parse(argv)
+        # MLflow's source tag; Ray workers and Tune trials inherit it
+        os.environ[COMMAND_ENV] = shlex.join(["rayfl", *argv])
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         plugins.add(getattr(args, "plugin", None))
         return int(args.fn(args) or 0)
     except UserError as exc:

@@ -11,10 +11,10 @@ ConfigError naming the JSON path (`$.a.b`).
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ import yaml
 
 from rayfl.errors import ConfigError, suggest
 from rayfl.yamlfile import yaml_load
-
-logger = logging.getLogger(__name__)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -51,15 +49,6 @@ def ray_schema_path() -> Path:
     import ray.autoscaler
 
     return Path(ray.autoscaler.__file__).parent / "ray-schema.json"
-
-
-def _load_schema() -> dict[str, Any]:
-    path = ray_schema_path()
-    if not path.is_file():
-        raise ConfigError(f"Ray's schema {path} is missing; reinstall ray[default]")
-    with path.open() as f:
-        schema: dict[str, Any] = json.load(f)
-    return schema
 
 
 def _schema_error_message(error: Any) -> str:
@@ -96,11 +85,14 @@ def _not_whole(parts: list[str | int], value: Any) -> str:
     )
 
 
-def _check_schema(config: dict[str, Any], schema: dict[str, Any]) -> None:
+def _check_schema(config: dict[str, Any]) -> None:
     import jsonschema
 
-    validator_cls = jsonschema.validators.validator_for(schema)
-    validator = validator_cls(schema)
+    path = ray_schema_path()
+    if not path.is_file():
+        raise ConfigError(f"Ray's schema {path} is missing; reinstall ray[default]")
+    schema = json.loads(path.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.path])
     if not errors:
         return
@@ -174,16 +166,12 @@ def _check_provider(config: dict[str, Any]) -> None:
         )
 
 
-# Keys only a Ray cluster launcher file has at its top level (a run config has none of them).
-CLUSTER_KEYS = ("cluster_name", "provider", "available_node_types", "head_node_type")
-
-
 def is_cluster_file(raw: Any) -> bool:
     """True when a loaded YAML mapping is a Ray cluster launcher config, not a rayfl file: it
     has `provider` or `cluster_name` and none of a run's sections (`algorithm`, `data`)."""
     return (
         isinstance(raw, dict)
-        and any(k in raw for k in CLUSTER_KEYS[:2])
+        and any(k in raw for k in ("provider", "cluster_name"))
         and not any(k in raw for k in ("algorithm", "data", "suite", "sweep", "bench"))
     )
 
@@ -233,20 +221,14 @@ class ClusterSize:
     def total(self) -> dict[str, float]:
         """CPUs and GPUs at the maximum size; under a file-wide `max_workers` cap each resource
         counts the nodes richest in it first: an upper bound, so no feasible run is refused."""
+        head = [n for n in self.nodes if n.name == self.head]
+        workers = [n for n in self.nodes if n.name != self.head]
         total: dict[str, float] = {}
-        for key in ("CPU", "GPU"):
-
-            def amount(node: NodeType, key: str = key) -> float:
-                return node.cpus if key == "CPU" else node.gpus
-
-            value = sum(amount(n) for n in self.nodes if n.name == self.head)
-            room = self.max_workers
-            for n in sorted(
-                (n for n in self.nodes if n.name != self.head), key=lambda n: -amount(n)
-            ):
+        for key, amount in (("CPU", attrgetter("cpus")), ("GPU", attrgetter("gpus"))):
+            value, room = sum(amount(n) for n in head), self.max_workers
+            for n in sorted(workers, key=amount, reverse=True):  # stable: file order on ties
                 take = min(n.count, room)
-                value += take * amount(n)
-                room -= take
+                value, room = value + take * amount(n), room - take
             total[key] = value
         return total
 
@@ -329,7 +311,7 @@ def validate_cluster_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"cluster config {path}: $: expected a mapping at the top level")
     try:
-        _check_schema(config, _load_schema())
+        _check_schema(config)
         _check_provider(config)
         _check_node_types(config)
         _check_docker(config)

@@ -246,8 +246,10 @@ REMOVED = {
 }
 
 
-def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
+def from_dict(cls: type, data: Any, prefix: str = "", given: Mapping[str, Any] = {}) -> Any:
+    """Build dataclass `cls` from a mapping (plus the fields already built, `given`), refusing
+    unknown keys, wrong types and negative numbers (declared ranges and the algorithms' checks
+    narrow them further)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -258,10 +260,12 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         if f"{prefix}{key}" in REMOVED:
             raise ConfigError(f"{prefix}{key} was removed: {REMOVED[f'{prefix}{key}']}")
         if key not in fields:
-            raise ConfigError(
-                f"unknown key {prefix}{key}{suggest(str(key), fields)}; "
-                f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}"
+            valid = (
+                f"valid keys under {prefix[:-1]}: {', '.join(fields)}"
+                if prefix
+                else f"valid top-level keys: {', '.join(sorted(fields))}"
             )
+            raise ConfigError(f"unknown key {prefix}{key}{suggest(str(key), fields)}; {valid}")
     kwargs = {
         name: convert(data[name], hints[name], f"{prefix}{name}", _cap(fields[name]))
         for name in fields
@@ -271,6 +275,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         n
         for n, f in fields.items()
         if n not in kwargs
+        and n not in given
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
@@ -278,8 +283,10 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         raise ConfigError(f"missing key {prefix}{missing[0]}: set it in the YAML file")
     for name, value in kwargs.items():
         _check_field(fields[name], value, f"{prefix}{name}")
-    obj = cls(**kwargs)  # a section's own checks (an algorithm's Params) speak first
-    non_negative(kwargs, prefix)
+    obj = cls(**given, **kwargs)  # a section's own checks (an algorithm's Params) speak first
+    for name, value in kwargs.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
     return obj
 
 
@@ -297,14 +304,10 @@ def _check_field(f: dataclasses.Field[Any], value: Any, key: str) -> None:
         )
 
 
-def non_negative(values: Mapping[str, Any], prefix: str) -> None:
-    """Every number in the schema is >= 0; declared ranges and the algorithms' checks narrow it."""
-    for name, value in values.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"{prefix}{name}: must be >= 0 (got {value!r})")
-
-
-def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
+def _algorithm_from_dict(data: Any, explicit: set[str] | None) -> AlgorithmConfig:
+    """The `algorithm` section. With `explicit` (the algorithm switched on the command line,
+    and the keys the command line sets) the file's keys the new algorithm lacks are dropped;
+    the command line's stay strict."""
     from rayfl.algorithms import ALGORITHMS
 
     if not isinstance(data, Mapping) or "name" not in data:
@@ -314,11 +317,16 @@ def _algorithm_from_dict(data: Any, dropped_ok: bool) -> AlgorithmConfig:
     if not isinstance(name, str):
         raise ConfigError(f"algorithm.name: expected a string, got {name!r}")
     algo = ALGORITHMS.get(name, key="algorithm.name")
-    if dropped_ok:
-        # switched on the command line: the file's keys for the other algorithm are left out
-        valid = {f.name for f in dataclasses.fields(algo.params)}
+    valid = {f.name for f in dataclasses.fields(algo.params)}
+    if explicit is not None:
         data = {k: v for k, v in data.items() if k in valid}
-    return AlgorithmConfig(name=name, params=from_dict(algo.params, data, prefix="algorithm."))
+    params = from_dict(algo.params, data, prefix="algorithm.")
+    for key in (explicit or set()) - valid - {"name"}:
+        raise ConfigError(
+            f"unknown key algorithm.{key} for algorithm {name!r}{suggest(key, valid | {'name'})}; "
+            f"valid keys: {', '.join(sorted(valid | {'name'}))}"
+        )
+    return AlgorithmConfig(name=name, params=params)
 
 
 def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunConfig:
@@ -326,46 +334,14 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> RunCo
     file_algorithm = dict(raw.get("algorithm") or {}) if isinstance(raw, Mapping) else {}
     # `plugins:` (rayfl.plugins) register names the rest of the config may use
     merged = plugins.take(apply_overrides(dict(raw), overrides))
-    renamed = any(o.split("=", 1)[0].strip() == "algorithm.name" for o in overrides)
-    if renamed and file_algorithm:
-        # The file's keys for the old algorithm are dropped; the command line's stay strict.
-        explicit = {
-            o.split("=", 1)[0].strip()[len("algorithm.") :]
-            for o in overrides
-            if o.startswith("algorithm.")
-        }
-        algo_cfg = _algorithm_from_dict(merged.get("algorithm"), dropped_ok=True)
-        _check_explicit(algo_cfg, explicit)
-    else:
-        algo_cfg = _algorithm_from_dict(merged.get("algorithm"), dropped_ok=False)
-    rest = {k: v for k, v in merged.items() if k != "algorithm"}
-    rest["algorithm"] = {}
-    hints = typing.get_type_hints(RunConfig)
-    top = {f.name: f for f in dataclasses.fields(RunConfig)}
-    for key in rest:
-        if key not in top:
-            raise ConfigError(
-                f"unknown key {key}{suggest(str(key), top)}; valid top-level keys: {', '.join(sorted(top))}"
-            )
-    kwargs: dict[str, Any] = {"algorithm": algo_cfg}
-    for key, value in rest.items():
-        if key != "algorithm":
-            kwargs[key] = convert(value, hints[key], key)
-            _check_field(top[key], kwargs[key], key)
-    non_negative(kwargs, "")
-    cfg = RunConfig(**kwargs)
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    explicit = None
+    if "algorithm.name" in keys and file_algorithm:
+        explicit = {k[len("algorithm.") :] for k in keys if k.startswith("algorithm.")}
+    algo_cfg = _algorithm_from_dict(merged.pop("algorithm", None), explicit)
+    cfg: RunConfig = from_dict(RunConfig, merged, given={"algorithm": algo_cfg})
     check(cfg)
     return cfg
-
-
-def _check_explicit(algo_cfg: AlgorithmConfig, explicit: set[str]) -> None:
-    valid = {f.name for f in dataclasses.fields(algo_cfg.params)} | {"name"}
-    for key in explicit:
-        if key not in valid:
-            raise ConfigError(
-                f"unknown key algorithm.{key} for algorithm {algo_cfg.name!r}{suggest(key, valid)}; "
-                f"valid keys: {', '.join(sorted(valid))}"
-            )
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:

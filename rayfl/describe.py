@@ -66,9 +66,8 @@ def describe(name: str) -> str:
     if name in sections:
         hints = typing.get_type_hints(RunConfig)
         cls = hints[name]
-        doc = (inspect.getdoc(cls) or "").split("\n\n")[0]
-        generated = doc.startswith(f"{cls.__name__}(")  # dataclass's signature, not a docstring
-        head = name if generated or not doc else f"{name}: {' '.join(doc.split())}"
+        doc = (inspect.getdoc(cls) or "").split("\n\n")[0]  # every section has one
+        head = f"{name}: {' '.join(doc.split())}"
         return "\n".join([head, *describe_fields(cls, f"{name}.")])
     algo = ALGORITHMS.get(name, key="rayfl ls")
     module = inspect.getmodule(algo.client)

@@ -11,7 +11,10 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from rayfl.errors import UserError
+from rayfl.resources import check_local
 from rayfl.schema import RunConfig
+from rayfl.tables import text_table
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -36,10 +39,20 @@ def simulate(
     "archive"`, `--force`) or replaced (a suite's or sweep's own rerun)."""
     import ray
 
+    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
     from rayfl.engine.checkpoint import Checkpoint
-    from rayfl.engine.rundir import RunLock, archive, check_mlflow_ref, check_writable, is_run
-    from rayfl.errors import UserError
-    from rayfl.resources import check_local
+    from rayfl.engine.loop import Simulation
+    from rayfl.engine.rundir import (
+        RunLock,
+        archive,
+        check_mlflow_ref,
+        check_writable,
+        is_run,
+        read_mlflow_run,
+        write_mlflow_run,
+    )
+    from rayfl.tracking import make_tracker
+    from rayfl.tracking.provenance import run_name_for
 
     if cfg.engine.executor == "ray" and not ray.is_initialized():
         check_local(cfg.engine)  # a private Ray: what this machine cannot place, refused first
@@ -59,59 +72,32 @@ def simulate(
             if resume:  # every resume (CLI, Python API, a suite's runs) goes through the gate
                 check_mlflow_ref(run_dir, cfg)
                 checkpoint.verify(cfg)
-            return _simulate_locked(
-                cfg, run_dir, checkpoint, progress, resume, parent_run_id, extra_callbacks
+            sim = Simulation(cfg, run_dir)
+            out = RunDirectory(run_dir)
+            previous = read_mlflow_run(run_dir) if resume else None
+            tracker = make_tracker(
+                cfg.tracking.backend,
+                experiment=cfg.tracking.experiment,
+                run_name=cfg.tracking.run_name or run_name_for(cfg),
+                tracking_uri=cfg.tracking.uri,
+                parent_run_id=parent_run_id,
+                run_id=previous["run_id"] if previous else None,
             )
+            run_id = getattr(tracker, "run_id", None)
+            if cfg.tracking.backend == "mlflow" and run_id:
+                write_mlflow_run(run_dir, run_id, getattr(tracker, "tracking_uri", "") or "")
+            sim.callbacks = [checkpoint, out, *extra_callbacks, TrackerCallback(tracker, out)]
+            if progress:
+                sim.callbacks.append(ProgressBar())
+            result = sim.run()
+            result.run_dir = run_dir
+            result.tracker_run_id = run_id
+            return result
     except UserError:
         if created:  # a refused run leaves nothing behind
             with suppress(OSError):
                 run_dir.rmdir()
         raise
-
-
-def _simulate_locked(
-    cfg: RunConfig,
-    run_dir: Path,
-    checkpoint: Any,
-    progress: bool,
-    resume: bool,
-    parent_run_id: str | None,
-    extra_callbacks: Sequence[Any],
-) -> Any:
-    from rayfl.engine.callbacks import ProgressBar, RunDirectory, TrackerCallback
-    from rayfl.engine.loop import Simulation
-    from rayfl.engine.rundir import read_mlflow_run, write_mlflow_run
-    from rayfl.tracking import make_tracker
-    from rayfl.tracking.provenance import run_name_for
-
-    sim = Simulation(cfg, run_dir)
-    out = RunDirectory(run_dir)
-    previous = read_mlflow_run(run_dir) if resume else None
-    tracker = make_tracker(
-        cfg.tracking.backend,
-        experiment=cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or run_name_for(cfg),
-        tracking_uri=cfg.tracking.uri,
-        parent_run_id=parent_run_id,
-        run_id=previous["run_id"] if previous else None,
-    )
-    run_id = getattr(tracker, "run_id", None)
-    if cfg.tracking.backend == "mlflow" and run_id:
-        write_mlflow_run(run_dir, run_id, getattr(tracker, "tracking_uri", "") or "")
-    sim.callbacks = [checkpoint, out, *extra_callbacks, TrackerCallback(tracker, out)]
-    if progress:
-        sim.callbacks.append(ProgressBar())
-    result = sim.run()
-    result.run_dir = run_dir
-    result.tracker_run_id = run_id
-    return result
-
-
-def format_table(rows: Sequence[tuple[str, str]], title: str = "") -> str:
-    width = max(len(k) for k, _ in rows)
-    lines = [title] if title else []
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return "\n".join(lines)
 
 
 def final_table(result: Any, wall_s: float) -> str:
@@ -154,7 +140,8 @@ def final_table(result: Any, wall_s: float) -> str:
     from rayfl.engine.callbacks import proxy_health
 
     warning = proxy_health(cfg, result.history)
-    return format_table(rows, title) + (f"\n  {warning}" if warning else "")
+    lines = [title, *text_table(rows[0], rows[1:])]
+    return "\n".join(lines) + (f"\n  {warning}" if warning else "")
 
 
 def accuracy_rows(final: dict[str, float], targets: Sequence[float]) -> list[tuple[str, str]]:

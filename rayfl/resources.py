@@ -7,6 +7,7 @@ maximum size) and `rayfl run` before it starts a private Ray (this machine).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -14,7 +15,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from rayfl.errors import UserError
+from rayfl.errors import UserError, require
 
 if TYPE_CHECKING:
     from rayfl.clusterconfig import ClusterSize
@@ -125,25 +126,49 @@ def fit_pools(
     return sizes
 
 
+def shapes(e: EngineConfig) -> list[tuple[str, Resources]]:
+    """Every reservation under its key: the workers', the server's, each architecture pool's."""
+    return [
+        ("worker_resources", e.worker_resources),
+        ("server_resources", e.server_resources),
+        *((f"resources_by_arch.{a}", r) for a, r in e.resources_by_arch.items()),
+    ]
+
+
 def check_shapes(e: EngineConfig, total: Mapping[str, float], where: str) -> None:
     """`check_fits` for each worker shape alone (`fit_pools` shares `total` once Ray runs)."""
     if not e.resources_by_arch:
         check_fits(e, total, where=where)
         return
-    import dataclasses
-
-    for shape in worker_shapes(e):
+    for shape in dict.fromkeys([e.worker_resources, *e.resources_by_arch.values()]):
         check_fits(dataclasses.replace(e, worker_resources=shape, num_workers=None), total, where)
 
 
-def worker_shapes(e: EngineConfig) -> list[Resources]:
-    """Every worker reservation: `engine.worker_resources`, `engine.resources_by_arch`'s."""
-    return list(dict.fromkeys([e.worker_resources, *e.resources_by_arch.values()]))
-
-
-def check_ray_num_cpus(e: EngineConfig) -> None:
-    """A private Ray of `engine.ray_num_cpus` CPUs hosts the server and one worker (all pinned
+def check_engine(e: EngineConfig) -> None:
+    """The config's rules for reservations (every number is >= 0 already, `rayfl.config`), and
+    a private Ray of `engine.ray_num_cpus` CPUs hosts the server and one worker (all pinned
     `engine.num_workers`); GPUs depend on the machine (`check_local`)."""
+    for name, res in shapes(e):
+        for attr in ("num_cpus", "num_gpus"):
+            value = getattr(res, attr)
+            require(
+                value <= 1 or float(value).is_integer(),
+                f"engine.{name}.{attr}",
+                f"fractions above 1 must be whole numbers (got {value})",
+            )
+    for name, res in shapes(e):
+        require(
+            name == "server_resources" or res.num_cpus > 0 or res.num_gpus > 0,
+            f"engine.{name}",
+            "a worker must reserve some CPU or GPU",
+        )
+    require(
+        e.server_in != "driver"
+        or (e.server_resources.num_cpus == 0 and e.server_resources.num_gpus == 0),
+        "engine.server_in",
+        "driver runs the server in the driver's process, which reserves nothing; set "
+        "engine.server_resources to 0 CPU / 0 GPU, or use engine.server_in=actor",
+    )
     if e.executor != "ray" or e.address or e.ray_num_cpus is None:
         return
     check_fits(
@@ -169,27 +194,21 @@ def local_cpus(e: EngineConfig) -> float:
     return float(e.ray_num_cpus or os.cpu_count() or 1)
 
 
-def local_resources(e: EngineConfig) -> dict[str, float]:
-    """A private Ray's CPUs and GPUs (GPUs counted only when the run asks for any)."""
-    asks_gpu = any(r.num_gpus > 0 for r in [*worker_shapes(e), e.server_resources])
-    return {"CPU": local_cpus(e), "GPU": float(local_gpus()) if asks_gpu else 0.0}
-
-
 def check_local(e: EngineConfig) -> None:
     """`rayfl run` before it starts a private Ray: the server and workers fit this machine (no
     GPU asked of a machine without one), else a UserError."""
     if e.executor != "ray" or e.address:
         return
-    total = local_resources(e)
     w, s = e.worker_resources, e.server_resources
+    gpus = float(local_gpus()) if any(r.num_gpus > 0 for _, r in shapes(e)) else 0.0
     by_arch = max((r.num_gpus for r in e.resources_by_arch.values()), default=0.0)
-    if total["GPU"] == 0 and (w.num_gpus > 0 or s.num_gpus > 0 or by_arch > 0):
+    if gpus == 0 and (w.num_gpus > 0 or s.num_gpus > 0 or by_arch > 0):
         raise UserError(
             f"engine.worker_resources / resources_by_arch / server_resources ask for "
             f"{w.num_gpus:g} / {by_arch:g} / {s.num_gpus:g} GPU but this machine has no GPU; "
             f"{GPU_CLUSTER}"
         )
-    check_shapes(e, total, where="this machine")
+    check_shapes(e, {"CPU": local_cpus(e), "GPU": gpus}, where="this machine")
 
 
 def local_note(e: EngineConfig) -> str:
@@ -209,12 +228,8 @@ def check_cluster(e: EngineConfig, cluster: ClusterSize) -> None:
     if e.executor != "ray":
         return
     nodes = f"{cluster.path} ({cluster.describe()})"
-    shapes = [
-        ("worker_resources", e.worker_resources, "worker"),
-        ("server_resources", e.server_resources, "server"),
-    ]
-    shapes += [(f"resources_by_arch.{a}", r, "worker") for a, r in e.resources_by_arch.items()]
-    for key, res, actor in shapes:
+    for key, res in shapes(e):
+        actor = "server" if key == "server_resources" else "worker"
         if res.num_cpus == 0 and res.num_gpus == 0:
             continue
         if not any(res.num_cpus <= n.cpus and res.num_gpus <= n.gpus for n in cluster.nodes):

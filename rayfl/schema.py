@@ -323,15 +323,12 @@ class RunConfig:
     devices: DevicesConfig = setting(help="simulated devices", factory=DevicesConfig)
 
 
-def per_round(e: EngineConfig, num_clients: int) -> int:
+def clients_per_round(cfg: RunConfig) -> int:
     """Clients sampled per round: `engine.clients_per_round`, else `fraction` of them."""
+    e = cfg.engine
     if e.clients_per_round is not None:
         return e.clients_per_round
-    return max(1, round(e.fraction * num_clients))
-
-
-def clients_per_round(cfg: RunConfig) -> int:
-    return per_round(cfg.engine, cfg.data.num_clients)
+    return max(1, round(e.fraction * cfg.data.num_clients))
 
 
 def server_in_driver(e: EngineConfig) -> bool:

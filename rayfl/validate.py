@@ -11,7 +11,6 @@ from typing import Any
 from rayfl.checks import check_family
 from rayfl.clusterconfig import (
     ClusterSize,
-    cluster_size,
     describe_cluster,
     is_cluster_file,
     validate_cluster_config,
@@ -48,11 +47,6 @@ def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return files, [a for a in args if a not in files]
 
 
-def load_cluster(path: str | Path) -> ClusterSize:
-    """The size of the cluster launcher file `--cluster` names."""
-    return cluster_size(validate_cluster_config(path), path)
-
-
 def validate_file(
     path: str | Path,
     overrides: Sequence[str] = (),
@@ -86,24 +80,17 @@ def validate_file(
             f"{'benchmark: ' if bench else ''}{cfg.algorithm.name} on {cfg.data.dataset}, "
             f"{cfg.data.num_clients} clients, {len(set(archs))} architectures"
         )
-    check_placement(configs, cluster, notes)
+    found: list[str] = []
+    engines: list[Any] = []  # each distinct engine section once (not hashable: a list)
+    for e in (cfg.engine for cfg in configs):
+        if e not in engines:
+            engines.append(e)
+            if cluster is not None:
+                check_cluster(e, cluster)
+            else:
+                found.append(local_note(e))
     for cfg in configs:  # valid settings an algorithm knows to be pointless (`Params.notes`)
-        for note in getattr(cfg.algorithm.params, "notes", list)():
-            if notes is not None and note not in notes:
-                notes.append(note)
+        found += getattr(cfg.algorithm.params, "notes", list)()
+    if notes is not None:
+        notes += [n for n in dict.fromkeys(found) if n and n not in notes]
     return describe
-
-
-def check_placement(
-    configs: Sequence[Any], cluster: ClusterSize | None, notes: list[str] | None
-) -> None:
-    """The resource checks of `validate_file` over each distinct engine section of `configs`."""
-    seen: list[Any] = []
-    for cfg in configs:
-        if cfg.engine in seen:
-            continue
-        seen.append(cfg.engine)
-        if cluster is not None:
-            check_cluster(cfg.engine, cluster)
-        elif notes is not None and (note := local_note(cfg.engine)) and note not in notes:
-            notes.append(note)

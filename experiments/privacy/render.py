@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rayfl.privacy_report import save_epsilon_plot
+from privacy_report import save_epsilon_plot  # this folder: scripts run as files
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "privacy"

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from rayfl import gate
-from rayfl import privacy_report as report
+
+# the report is a script of experiments/privacy/, run as a file there
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "privacy"))
+import privacy_report as report  # noqa: E402
 
 
 def fake_run(path, noise, alpha, acc, eps, variant="kd", secagg=False):

@@ -8,12 +8,18 @@ folder changes.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from rayfl import cli, gate, privacy_report
+from rayfl import cli, gate
 from tests.security.plants import PLANTS, PROBLEM, VICTIM, one_line
+
+# the privacy report is a script of experiments/privacy/, run as a file there
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "privacy"))
+import privacy_report  # noqa: E402
 
 # ----------------------------------------------------------------------------- privacy report
 

@@ -2,7 +2,7 @@
 beside reference runs (no protection, SecAgg, statistics-only upload), as a plot and a Markdown
 table. Reads run directories' `summary.json` (what every run writes), so it needs no MLflow.
 
-    python -m rayfl.privacy_report runs/sweeps/pfedes_privacy/trials \\
+    python3 experiments/privacy/privacy_report.py runs/sweeps/pfedes_privacy/trials \\
         --ref plain=runs/privacy/plain --ref secagg=runs/privacy/secagg \\
         --out docs/figures/privacy_acc_vs_epsilon.png
 """
