@@ -3,7 +3,7 @@
 The label partition decides which samples a client holds, this module what its inputs look
 like. A `DomainPlan` (`data.domains`) assigns clients to domains in contiguous blocks, sized by
 `clients_per_domain` or `proportions` (largest remainder), equal by default. A dataset with
-domains of its own (`rayfl.data.folder`) has each domain's samples partitioned among its
+domains of its own (`rayfl.data.images`) has each domain's samples partitioned among its
 clients only; otherwise every domain is a transformation (`rayfl.data.transforms`) of the base
 data, applied to each client's train and test samples. NIID-Bench's feature skew (Li et al.,
 ICDE 2022) adds Gaussian noise of std `noise * i / num_clients` to client i's inputs (pixels in
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def dataset_domains(dataset: ArrayDataset) -> tuple[str, ...]:
-    """The domains a dataset brings itself (`rayfl.data.folder`), else ()."""
+    """The domains a dataset brings itself (`rayfl.data.images`), else ()."""
     return tuple(getattr(dataset, "domain_names", ()))
 
 
