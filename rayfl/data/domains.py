@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def dataset_domains(dataset: ArrayDataset) -> tuple[str, ...]:
-    """The domains a dataset brings itself (`rayfl.data.images`), else ()."""
-    return tuple(getattr(dataset, "domain_names", ()))
-
-
 def client_counts(
     num_clients: int,
     names: tuple[str, ...],
@@ -129,7 +124,11 @@ class DomainPlan:
         """The dataset with shifted inputs (client i's samples at positions `samples[i]` of
         `x_train`), and the federation's `client_domain` and `eval_only` fields."""
         rgb = not self.real and transforms.needs_rgb(self.names) and ds.x_train.shape[1] == 1
-        x_train, x_test = _widen(ds.x_train, rgb), _widen(ds.x_test, rgb)
+        # writable copies, grey replicated to three channels when a recipe makes RGB
+        x_train, x_test = (
+            np.repeat(x, 3, axis=1) if rgb else np.array(x, copy=True)
+            for x in (ds.x_train, ds.x_test)
+        )
         n = len(samples)
         shifted = samples if (self.noise or not self.real) else ()
         for cid, idx in enumerate(shifted):
@@ -164,11 +163,6 @@ class DomainPlan:
         )
 
 
-def _widen(x: np.ndarray, rgb: bool) -> np.ndarray:
-    """A writable copy, grey replicated to three channels when `rgb`."""
-    return np.repeat(x, 3, axis=1) if rgb else np.array(x, copy=True)
-
-
 def _back(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
     """Float images in [0, 1] back to the dataset's dtype and scale (uint8 clipped)."""
     if ds.x_train.dtype == np.uint8:
@@ -180,7 +174,7 @@ def plan_for(
     spec: DomainsConfig | None, dataset: ArrayDataset, num_clients: int
 ) -> DomainPlan | None:
     """The plan of `data.domains` on this dataset, or None when nothing is shifted."""
-    own = dataset_domains(dataset)
+    own = tuple(getattr(dataset, "domain_names", ()))  # a dataset's own (`rayfl.data.images`)
     recipes = tuple(spec.transforms) if spec is not None else ()
     noise = float(spec.noise) if spec is not None else 0.0
     if not own and not recipes and not noise:

@@ -6,19 +6,14 @@ A *recipe* is a string `name` or `name:parameter`, e.g. `rotate:90`, `tint:red`,
 to [0, 1] and draw any randomness from the generator they are given, so the same seed gives the
 same images. `rayfl.data.domains` applies them once, when the federation is built.
 
-Two families:
-
-- parameterised transformations (`identity`, `rotate`, `tint`, `invert`, `blur`, `shear`,
-  `scale`, `noise`);
-- corruption recipes at severities 1-5 of CIFAR-10-C (Hendrycks & Dietterich, ICLR 2019,
-  github.com/hendrycks/robustness, `make_cifar_c.py`), whose severity constants are followed:
-  `gaussian_noise`, `shot_noise`, `impulse_noise`, `speckle_noise`, `gaussian_blur`,
-  `defocus_blur`, `zoom_blur`, `contrast`, `brightness`, `pixelate`, `jpeg_compression`,
-  `elastic_transform`, `fog`. Deviations: `brightness` scales a pixel's RGB by the ratio
-  HSV's value gains (the same as adding to V), `impulse_noise` salts and peppers each value
-  independently (scikit-image's `s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed
-  random field with rayfl's own strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu &
-  Gilmer 2019)'s affine corruptions are `rotate`, `shear` and `scale`.
+Two families (`rayfl ls partitioners` lists them): parameterised transformations, and
+corruptions at severities 1-5 of CIFAR-10-C (Hendrycks & Dietterich, ICLR 2019,
+github.com/hendrycks/robustness, `make_cifar_c.py`), whose severity constants are followed.
+Deviations: `brightness` scales a pixel's RGB by the ratio HSV's value gains (the same as
+adding to V), `impulse_noise` salts and peppers each value independently (scikit-image's
+`s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed random field with rayfl's own
+strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu & Gilmer 2019)'s affine corruptions
+are `rotate`, `shear` and `scale`.
 
 Left out: `glass_blur` (a per-pixel swap loop), `motion_blur` and `snow` (ImageMagick's motion
 blur), `frost` (texture image files), `spatter`, `saturate` (colour only), and MNIST-C's

@@ -34,6 +34,7 @@ import logging
 import math
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -164,42 +165,26 @@ class Layout:
         return out
 
 
+@dataclass(eq=False)
 class PrivacyHook:
-    """Both halves of the privacy layer for one run (picklable; built from the run spec).
+    """Both halves of the privacy layer for one run (picklable; built from the run spec)."""
 
-    Args:
-        cfg: the `privacy` config section.
-        form: the algorithm's `Server.sum_form`.
-        seed: the public run seed (SecAgg keys, masks and the simulated dropout derive from it,
-            the round and the client: the simulation's secrets are not secret).
-        num_clients: clients in the federation.
-        per_round: clients per round (`uniform`) or their expected number q * N (`poisson`); the
-            DP estimator's fixed denominator.
-        sampling: `engine.sampling`, the scheme the participants are drawn by and accounted as.
-    """
+    cfg: PrivacyConfig  # the `privacy` config section
+    form: str  # the algorithm's `Server.sum_form`
+    # The public run seed: SecAgg keys, masks and the simulated dropout derive from it, the
+    # round and the client (the simulation's secrets are not secret).
+    seed: int
+    num_clients: int  # clients in the federation
+    # Clients per round (`uniform`) or their expected number q * N (`poisson`): the DP
+    # estimator's fixed denominator.
+    per_round: int
+    sampling: str = "uniform"  # `engine.sampling`: how participants are drawn and accounted
+    # The secret of the DP noise: 128 bits of OS entropy unless the config pins it (unsafe).
+    noise_key: int = field(init=False, repr=False)
 
-    def __init__(
-        self,
-        cfg: PrivacyConfig,
-        form: str,
-        seed: int,
-        num_clients: int,
-        per_round: int,
-        sampling: str = "uniform",
-    ) -> None:
-        self.cfg = cfg
-        self.form = form
-        self.seed = seed
-        self.num_clients = num_clients
-        self.per_round = per_round
-        self.sampling = sampling
-        # The secret of the DP noise: 128 bits of OS entropy unless the config pins it (unsafe).
-        seed_cfg = cfg.dp.noise_seed
-        self.noise_key: int = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
-
-    @property
-    def sampling_rate(self) -> float:
-        return self.per_round / self.num_clients
+    def __post_init__(self) -> None:
+        seed_cfg = self.cfg.dp.noise_seed
+        self.noise_key = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
 
     def participants(self, round_idx: int) -> list[int]:
         from rayfl.sampling import sample_clients
@@ -332,7 +317,7 @@ class PrivacyHook:
             "privacy/dropped": float(len(self.participants(round_idx)) - len(arrived))
         }
         if self.cfg.secagg.enabled:
-            size = self._size(base)
+            size = self.contribution(base, base, 1.0)[0].size  # of every upload's vector
             ring = self._secagg(round_idx).unmask(
                 {r.client_id: r.payload[MASKED] for r in arrived}, size
             )
@@ -349,14 +334,6 @@ class PrivacyHook:
         payload, weight = self.decode(total, len(arrived), base)
         combined = Reply(-1, first.arch, weight, payload)
         return [combined], metrics
-
-    def _size(self, sent: Mapping[str, np.ndarray]) -> int:
-        """Length of a contribution vector (and of the masked upload) for this broadcast."""
-        if self.form == "weighted_mean":
-            n = Layout(sent).size
-            return n if self.cfg.dp.enabled else n + 1
-        c = len(sent["counts"])
-        return int(np.asarray(sent["means"]).size) + c
 
 
 def check_trainable_only(sent: Mapping[str, Any]) -> None:

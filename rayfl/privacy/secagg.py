@@ -50,10 +50,6 @@ def private_key(seed: int, round_idx: int, client: int) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(_digest("rayfl-secagg-sk", seed, round_idx, client))
 
 
-def private_bytes(key: X25519PrivateKey) -> bytes:
-    return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-
-
 def public_key(seed: int, round_idx: int, client: int) -> X25519PublicKey:
     return private_key(seed, round_idx, client).public_key()
 
@@ -180,7 +176,9 @@ class SecAggRound:
         secret = (
             self_seed(self.seed, self.round, owner)
             if what == "b"
-            else private_bytes(private_key(self.seed, self.round, owner))
+            else private_key(self.seed, self.round, owner).private_bytes(
+                Encoding.Raw, PrivateFormat.Raw, NoEncryption()
+            )
         )
         shares = shamir_split(
             int.from_bytes(secret, "big"),
