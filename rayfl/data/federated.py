@@ -154,13 +154,10 @@ def build_federation(
     domains: DomainsConfig | None = None,
     val_fraction: float = 0.0,
 ) -> Federation:
-    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only):
-    (1) a seeded subset of `train_samples`, (2) a seeded `public_fraction` of it held out, (3)
-    the rest partitioned (per domain for a dataset with its own), (4) each client's samples
-    split into train and test stratified by class (>= 1 train sample stays), `domains` applied
-    on copies of the arrays, (5) a stratified `val_fraction` of train moved to validation. Each
-    step draws its own stream (`rayfl.seeding`), so `val_fraction=0` leaves the splits as they
-    were, and the split is the same for every algorithm."""
+    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only), in
+    the numbered steps below. Each step draws its own stream (`rayfl.seeding`), so
+    `val_fraction=0` leaves the splits as they were, and the split is the same for every
+    algorithm."""
     n = len(dataset.y_train)
     for key, value in [("test", test_fraction), ("public", public_fraction), ("val", val_fraction)]:
         if not 0.0 <= value < 1.0:
@@ -188,7 +185,8 @@ def build_federation(
     public = np.sort(order[:n_public]).astype(np.int64)
     private = np.sort(order[n_public:]).astype(np.int64)
 
-    # (3) the partition, over positions in `private`, mapped back to dataset indices
+    # (3) the partition (per domain for a dataset with its own), over positions in `private`,
+    # mapped back to dataset indices
     plan = plan_for(domains, dataset, num_clients)
     if plan is None:
         parts = fn(dataset.y_train[private], num_clients, seed, **options)
@@ -197,8 +195,8 @@ def build_federation(
         domain_of = None if own is None else own[private]
         parts = plan.partition(fn, dataset.y_train[private], domain_of, seed, options)
 
-    # (4) per-client stratified train/test split; each client has its own stream so one client's
-    # split does not depend on the others'.
+    # (4) per-client train/test split stratified by class (>= 1 train sample stays); each client
+    # has its own stream so one client's split does not depend on the others'.
     clients = tuple(
         _split_client(
             private[part],

@@ -152,12 +152,9 @@ _CNN5_FEATURES = 500
 
 
 def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """CNN-`index` of pFedES's official code (Yi et al., AAAI 2025).
-
-    conv 5x5 (C->16) + ReLU + 2x2 max-pool, conv 5x5 (16->32, CNN-2: 16->16) + ReLU +
-    2x2 max-pool, fc1 (flat->2000/2000/1000/800/500) + ReLU, fc2 (->500) + ReLU = the
-    500-d features; head fc3 (500->classes). fc1's input size follows the image size
-    (800 for 3x32x32, 512 for 1x28x28).
+    """CNN-`index` of pFedES's official code (Yi et al., AAAI 2025): two 5x5 conv + ReLU + 2x2
+    max-pool blocks, fc1 and fc2 + ReLU (the 500-d features), head fc3. fc1's input size
+    follows the image size (800 for 3x32x32, 512 for 1x28x28).
 
     Images smaller than 16x16 cannot pass two unpadded 5x5 convs and pools, so for them the
     convs use padding=2 (size-preserving); this is a deviation from the official code that

@@ -18,14 +18,9 @@ client. Algorithms do not know whether privacy is on; they only declare, through
   sum over its noisy presence sum (post-processing of the one noisy release), and presence sums
   below 0.5 mark a class as unseen.
 
-Integer entries (BatchNorm's step counter) are neither protected nor averaged: the server keeps
-the broadcast's value. Under DP only trainable parameters may be shared: a payload holding
-normalisation running statistics (`running_mean`, `running_var`) is refused, since noise on them
-makes variances negative. Anything else (nested dicts, per-client server logic) is refused by
-`check_fits` before a run starts.
-
-The DP noise comes from `noise_key`: fresh OS entropy per run unless `privacy.dp.noise_seed` is
-set; it is saved with the server's state in checkpoints (`state_dict`), never logged.
+What is noised, and the DP noise's secret (`noise_key`, kept in checkpoints, never logged), are
+described in docs/privacy.md; anything else (nested dicts, per-client server logic) is refused
+by `check_fits` before a run starts.
 """
 
 from __future__ import annotations
