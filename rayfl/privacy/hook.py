@@ -61,10 +61,11 @@ def sum_form(algo: Algorithm, params: Any) -> str | None:
     return getattr(server, "sum_form", None)
 
 
-def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
-    """Refuse, in one line, an algorithm whose aggregate is not a function of the uploads' sum."""
+def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> str | None:
+    """Refuse, in one line, an algorithm whose aggregate is not a function of the uploads' sum;
+    its sum form when privacy is on."""
     if not cfg.enabled:
-        return
+        return None
     form = sum_form(algo, params)
     on = "privacy.dp" if cfg.dp.enabled else "privacy.secagg"
     if form not in FORMS:
@@ -79,6 +80,7 @@ def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
                 f"algorithm.{key} acts on each client's upload, which {on} hides from the server; "
                 f"set algorithm.{key}=null (privacy.dp.clip bounds each update instead)"
             )
+    return form
 
 
 def check_accounting(cfg: RunConfig) -> None:
@@ -107,13 +109,11 @@ def hook_for(algo: Algorithm, cfg: RunConfig) -> PrivacyHook | None:
     """The run's privacy hook, or None when no protection is on."""
     if not cfg.privacy.enabled:
         return None
-    check_fits(algo, cfg.privacy, cfg.algorithm.params)
+    form = check_fits(algo, cfg.privacy, cfg.algorithm.params)
     check_accounting(cfg)
-    form = sum_form(algo, cfg.algorithm.params)
-    assert form is not None
     return PrivacyHook(
         cfg.privacy,
-        form,
+        str(form),
         cfg.seed,
         cfg.data.num_clients,
         clients_per_round(cfg),
@@ -138,7 +138,6 @@ class Layout:
             )
         self.shapes = {k: tuple(template[k].shape) for k in self.keys}
         self.dtypes = {k: template[k].dtype for k in self.keys}
-        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flatten(self, payload: Mapping[str, np.ndarray]) -> np.ndarray:
         for k in self.keys:
