@@ -197,18 +197,19 @@ def find_or_download(
     return found
 
 
-def _load_idx_dataset(
-    name: str,
-    root: str | None = None,
-    *,
-    folders: Sequence[str],
-    torchvision_class: str,
-    apt_package: str,
-    mean: float,
-    std: float,
-    **options: Any,
-) -> ArrayDataset:
+# Fashion-MNIST (Xiao et al. 2017, 10 clothing classes) and MNIST (digits): 60k/10k 28x28 grey
+# images. The IDX files are looked for in Debian's folder, then in `root` (or torchvision's
+# layout under it), then downloaded with torchvision.
+_IDX_DATASETS = {
+    # name: folders under root, torchvision class, Debian package, mean, std
+    "fmnist": (("FashionMNIST/raw", "fashion-mnist"), "FashionMNIST", "dataset-fashion-mnist", 0.2860, 0.3530),
+    "mnist": (("MNIST/raw", "mnist"), "MNIST", "dataset-mnist", 0.1307, 0.3081),
+}  # fmt: skip
+
+
+def _load_idx_dataset(name: str, root: str | None = None, **options: Any) -> ArrayDataset:
     _check_options(name, options)
+    folders, torchvision_class, apt_package, mean, std = _IDX_DATASETS[name]
     base = _root(root)
     candidates = [DEBIAN_DIRS[name], base, *(base / f for f in folders)]
 
@@ -241,26 +242,8 @@ def _load_idx_dataset(
     )
 
 
-# --------------------------------------------------------------------------- image datasets
-# Fashion-MNIST (Xiao et al. 2017, 10 clothing classes) and MNIST (digits): 60k/10k 28x28 grey
-# images. The IDX files are looked for in Debian's folder, then in `root` (or torchvision's
-# layout under it), then downloaded with torchvision.
-for _name, _folders, _tv, _apt, _mean, _std in (
-    ("fmnist", ("FashionMNIST/raw", "fashion-mnist"), "FashionMNIST", "dataset-fashion-mnist", 0.2860, 0.3530),
-    ("mnist", ("MNIST/raw", "mnist"), "MNIST", "dataset-mnist", 0.1307, 0.3081),
-):  # fmt: skip
-    DATASETS.add(
-        _name,
-        functools.partial(
-            _load_idx_dataset,
-            _name,
-            folders=_folders,
-            torchvision_class=_tv,
-            apt_package=_apt,
-            mean=_mean,
-            std=_std,
-        ),
-    )
+for _name in _IDX_DATASETS:
+    DATASETS.add(_name, functools.partial(_load_idx_dataset, _name))
 
 
 # --------------------------------------------------------------------------- small test data

@@ -7,12 +7,8 @@ domains of its own (`rayfl.data.images`) has each domain's samples partitioned a
 clients only; otherwise every domain is a transformation (`rayfl.data.transforms`) of the base
 data, applied to each client's train and test samples. NIID-Bench's feature skew (Li et al.,
 ICDE 2022) adds Gaussian noise of std `noise * i / num_clients` to client i's inputs (pixels in
-[0, 1]; NIID-Bench's code divides by N - 1, the paper by N as here).
-
-It is done once, on copies of the arrays, with each client's own stream (`Purpose.DATA_SHIFT`),
-so every algorithm of a comparison sees the same images. The server test set is split over the
-domains (sample j in domain j mod D) unless the dataset has its own; the public split stays the
-base data. A held-out domain's clients are only evaluated (domain generalization).
+[0, 1]; NIID-Bench's code divides by N - 1, the paper by N as here). docs/data.md describes
+the user's side: the server test set, held-out domains, determinism and metrics.
 """
 
 from __future__ import annotations

@@ -5,14 +5,11 @@ CIFAR's batches are pickles and a data folder can be untrusted (docs/security.md
 read without a plain unpickler: only the types the official files hold are admitted
 (`_BatchUnpickler`). Tiny ImageNet's JPEGs are decoded once and cached next to the folder.
 
-The `folder` dataset reads `root/<domain>/<class>/*.png|jpg`, the layout of PACS, Office-31,
-Office-Caltech-10, Office-Home and DomainNet's extracted archives (`data.root` is the folder
-holding the domains), resizes every image to `size` and keeps each sample's domain, so
-`data.domains` puts each client in one of the dataset's own domains and partitions that
-domain's samples among its clients (`rayfl.data.domains`). Its classes are the sorted union of
-the class folders over the domains (a domain may lack a class). These datasets have no official
-test split: a seeded `test_fraction` of each domain's images is the server test set. Mean and
-std are the training split's, per channel.
+The `folder` dataset reads `data.root/<domain>/<class>/*.png|jpg`, the layout of PACS,
+Office-31, Office-Home and DomainNet (docs/data.md), and keeps each sample's domain for
+`rayfl.data.domains`. Its classes are the sorted union of the class folders over the domains (a
+domain may lack a class); a seeded `test_fraction` of each domain's images is the server test
+set; mean and std are the training split's, per channel.
 """
 
 from __future__ import annotations

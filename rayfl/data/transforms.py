@@ -13,11 +13,7 @@ Deviations: `brightness` scales a pixel's RGB by the ratio HSV's value gains (th
 adding to V), `impulse_noise` salts and peppers each value independently (scikit-image's
 `s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed random field with rayfl's own
 strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu & Gilmer 2019)'s affine corruptions
-are `rotate`, `shear` and `scale`.
-
-Left out: `glass_blur` (a per-pixel swap loop), `motion_blur` and `snow` (ImageMagick's motion
-blur), `frost` (texture image files), `spatter`, `saturate` (colour only), and MNIST-C's
-`stripe`, `dotted_line`, `zigzag`, `canny_edges`, `translate`.
+are `rotate`, `shear` and `scale`. The corruptions left out are listed in docs/data.md.
 """
 
 from __future__ import annotations
