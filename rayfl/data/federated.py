@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rayfl.data.datasets import ArrayDataset, load_dataset
 from rayfl.data.domains import plan_for
 from rayfl.data.partition import PARTITIONERS
 from rayfl.errors import ConfigError, suggest
+from rayfl.gate import write_with
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
@@ -249,11 +252,6 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
     val only when a client has one), `index` (int64 into `x_train`). `class_counts.parquet`:
     `client`, `split`, `class` (int32), `count` (int64), one row per client, split and class.
     """
-    import pyarrow as pa  # lazy: only runs that save need it
-    import pyarrow.parquet as pq
-
-    from rayfl.gate import write_with
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     names = SPLITS if fed.has_val else SPLITS[:2]
@@ -294,8 +292,6 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
 def load_partition(path: str | Path) -> dict[str, Any]:
     """`{"clients": {client_id: ClientSplit}, "public": indices}` from a `partition.parquet`
     written by `save_partition` (`path`: the file or the run directory holding it)."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if path.is_dir():
         path = path / PARTITION_FILE

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from rayfl.data.datasets import DATASETS, ArrayDataset, _check_options, _root, find_or_download
 from rayfl.errors import ConfigError, UserError
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 def _read_image(path: Path, height: int, width: int, channels: int) -> np.ndarray:
     """One image file as uint8 (C, H, W), grey (`channels` 1) or RGB (a grey image becomes
     three-channel), resized bilinearly; a UserError for a file PIL cannot read."""
-    from PIL import Image, UnidentifiedImageError  # lazy: Pillow comes with torchvision
-
     try:
         with Image.open(path) as opened:
             im = opened.convert("RGB" if channels == 3 else "L")

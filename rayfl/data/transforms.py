@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from rayfl.errors import ConfigError, suggest
 
@@ -144,8 +145,6 @@ def _gaussian(x: np.ndarray, sigma: float) -> np.ndarray:
 
 def _each_image(x: np.ndarray, fn: Callable[[Any], Any]) -> np.ndarray:
     """Apply a PIL function to every (C, H, W) image; grey and RGB only."""
-    from PIL import Image
-
     out = np.empty_like(x)
     u8 = np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)
     for i, img in enumerate(u8):
@@ -293,8 +292,6 @@ def brightness(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
 
 @_severity("pixelate", (0.95, 0.9, 0.85, 0.75, 0.65), "CIFAR-10-C pixelate (box down and up)")
 def pixelate(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
-    from PIL import Image
-
     h, w = x.shape[-2:]
     small = (max(1, int(w * c)), max(1, int(h * c)))
     return _each_image(
@@ -304,8 +301,6 @@ def pixelate(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
 
 @_severity("jpeg_compression", (80, 65, 58, 50, 40), "CIFAR-10-C JPEG at quality 80..40")
 def jpeg_compression(x: np.ndarray, quality: int, rng: np.random.Generator) -> np.ndarray:
-    from PIL import Image
-
     def jpeg(im: Any) -> Any:
         buf = io.BytesIO()
         im.save(buf, "JPEG", quality=quality)

@@ -37,6 +37,7 @@ import numpy as np
 from rayfl.algorithms.base import Algorithm, Payload, Reply
 from rayfl.errors import ConfigError, UserError
 from rayfl.privacy import dp, secagg
+from rayfl.sampling import sample_clients
 from rayfl.schema import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.seeding import Purpose, seed_of, words
 
@@ -181,8 +182,6 @@ class PrivacyHook:
         self.noise_key = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
 
     def participants(self, round_idx: int) -> list[int]:
-        from rayfl.sampling import sample_clients
-
         return sample_clients(self.seed, round_idx, self.num_clients, self.per_round, self.sampling)
 
     def noise(self, size: int, round_idx: int) -> np.ndarray:
