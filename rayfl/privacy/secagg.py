@@ -96,11 +96,6 @@ def decode(ring: np.ndarray, frac_bits: int) -> np.ndarray:
 # --------------------------------------------------------------------------- Shamir sharing
 
 
-def threshold(num_participants: int, fraction: float) -> int:
-    """Shares needed to rebuild a secret: `floor(fraction * n) + 1`, at least 1, at most n."""
-    return min(num_participants, max(1, int(fraction * num_participants) + 1))
-
-
 def shamir_split(secret: int, holders: int, t: int, key: bytes) -> list[tuple[int, int]]:
     """Shares `(x, f(x))`, x = 1..holders, of a degree-(t-1) polynomial with `f(0) = secret`;
     the coefficients come from `key` (seeded dealer)."""
@@ -149,7 +144,8 @@ class SecAggRound:
         self.seed = seed
         self.round = round_idx
         self.participants = sorted(int(c) for c in participants)
-        self.t = threshold(len(self.participants), threshold_fraction)
+        n = len(self.participants)
+        self.t = min(n, max(1, int(threshold_fraction * n) + 1))  # shares that rebuild a secret
         self._holder = {c: k for k, c in enumerate(self.participants)}
 
     # -- client side ---------------------------------------------------------------------------
