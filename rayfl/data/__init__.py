@@ -4,7 +4,7 @@ Importing this package registers the built-in datasets (`DATASETS`) and partitio
 (`PARTITIONERS`); it never imports ray or mlflow.
 """
 
-from rayfl.data import cifar, folder, tinyimagenet  # noqa: F401  (registration)
+from rayfl.data import images  # noqa: F401  (registration)
 from rayfl.data.datasets import DATASETS, ArrayDataset, load_dataset
 from rayfl.data.federated import ClientSplit, Federation, build_federation
 from rayfl.data.partition import PARTITIONERS

@@ -4,10 +4,9 @@ Every loader returns an `ArrayDataset`: uint8 images (N, C, H, W) plus int64 lab
 their compact on-disk dtype. Normalisation happens per batch in `ArrayDataset.as_tensor`, so the
 whole dataset is never copied to float32 (a worker can read it zero-copy from Ray's object store).
 
-Loaders read the real on-disk formats themselves (IDX here; CIFAR's python batches in
-`rayfl.data.cifar`, never with a plain unpickler; the `tiny-imagenet-200` folder in
-`rayfl.data.tinyimagenet`) and fall back to a torchvision download only when the files are
-missing. They are registered by name in `DATASETS` and called through
+Loaders read the real on-disk formats themselves (IDX here; CIFAR's python batches, never with
+a plain unpickler, the `tiny-imagenet-200` folder and folder trees in `rayfl.data.images`) and
+fall back to a torchvision download only when the files are missing. They are registered by name in `DATASETS` and called through
 `load_dataset(name, root, **options)`.
 """
 
@@ -28,7 +27,7 @@ import torch
 from rayfl.errors import ConfigError, UserError, suggest
 from rayfl.registry import Registry
 
-# Dataset name -> loader; the built-ins are registered here and in cifar, tinyimagenet, folder.
+# Dataset name -> loader; the built-ins are registered here and in `rayfl.data.images`.
 DATASETS: Registry[Any] = Registry("dataset", group="rayfl.datasets")
 
 logger = logging.getLogger(__name__)
@@ -170,19 +169,6 @@ _IDX_FILES = {
 }
 
 
-def _idx_dir_files(directory: Path) -> dict[str, Path] | None:
-    """The four IDX files in `directory` (each gz or plain), or None if any is missing."""
-    found = {}
-    for key, (stem, _) in _IDX_FILES.items():
-        for candidate in (directory / stem, directory / f"{stem}.gz"):
-            if candidate.is_file():
-                found[key] = candidate
-                break
-        else:
-            return None
-    return found
-
-
 def _download(torchvision_class: str, root: Path) -> None:
     """Download a dataset with torchvision into `root` (its own layout under root)."""
     import torchvision  # lazy: only needed when the files are missing
@@ -211,23 +197,30 @@ def find_or_download(
     return found
 
 
-def _load_idx_dataset(
-    name: str,
-    root: str | None = None,
-    *,
-    folders: Sequence[str],
-    torchvision_class: str,
-    apt_package: str,
-    mean: float,
-    std: float,
-    **options: Any,
-) -> ArrayDataset:
+# Fashion-MNIST (Xiao et al. 2017, 10 clothing classes) and MNIST (digits): 60k/10k 28x28 grey
+# images. The IDX files are looked for in Debian's folder, then in `root` (or torchvision's
+# layout under it), then downloaded with torchvision.
+_IDX_DATASETS = {
+    # name: folders under root, torchvision class, Debian package, mean, std
+    "fmnist": (("FashionMNIST/raw", "fashion-mnist"), "FashionMNIST", "dataset-fashion-mnist", 0.2860, 0.3530),
+    "mnist": (("MNIST/raw", "mnist"), "MNIST", "dataset-mnist", 0.1307, 0.3081),
+}  # fmt: skip
+
+
+def _load_idx_dataset(name: str, root: str | None = None, **options: Any) -> ArrayDataset:
     _check_options(name, options)
+    folders, torchvision_class, apt_package, mean, std = _IDX_DATASETS[name]
     base = _root(root)
     candidates = [DEBIAN_DIRS[name], base, *(base / f for f in folders)]
 
     def find() -> dict[str, Path] | None:
-        return next((f for d in candidates if (f := _idx_dir_files(d)) is not None), None)
+        """The four IDX files (each gz or plain) of the first folder holding them all."""
+        for d in candidates:
+            plain = {key: d / stem for key, (stem, _) in _IDX_FILES.items()}
+            files = {k: p if p.is_file() else p.with_name(f"{p.name}.gz") for k, p in plain.items()}
+            if all(p.is_file() for p in files.values()):
+                return files
+        return None
 
     hint = (
         f"run `apt-get install {apt_package}` or put the four IDX files (train/t10k-images-idx3-"
@@ -249,26 +242,8 @@ def _load_idx_dataset(
     )
 
 
-# --------------------------------------------------------------------------- image datasets
-# Fashion-MNIST (Xiao et al. 2017, 10 clothing classes) and MNIST (digits): 60k/10k 28x28 grey
-# images. The IDX files are looked for in Debian's folder, then in `root` (or torchvision's
-# layout under it), then downloaded with torchvision.
-for _name, _folders, _tv, _apt, _mean, _std in (
-    ("fmnist", ("FashionMNIST/raw", "fashion-mnist"), "FashionMNIST", "dataset-fashion-mnist", 0.2860, 0.3530),
-    ("mnist", ("MNIST/raw", "mnist"), "MNIST", "dataset-mnist", 0.1307, 0.3081),
-):  # fmt: skip
-    DATASETS.add(
-        _name,
-        functools.partial(
-            _load_idx_dataset,
-            _name,
-            folders=_folders,
-            torchvision_class=_tv,
-            apt_package=_apt,
-            mean=_mean,
-            std=_std,
-        ),
-    )
+for _name in _IDX_DATASETS:
+    DATASETS.add(_name, functools.partial(_load_idx_dataset, _name))
 
 
 # --------------------------------------------------------------------------- small test data

@@ -3,16 +3,12 @@
 The label partition decides which samples a client holds, this module what its inputs look
 like. A `DomainPlan` (`data.domains`) assigns clients to domains in contiguous blocks, sized by
 `clients_per_domain` or `proportions` (largest remainder), equal by default. A dataset with
-domains of its own (`rayfl.data.folder`) has each domain's samples partitioned among its
+domains of its own (`rayfl.data.images`) has each domain's samples partitioned among its
 clients only; otherwise every domain is a transformation (`rayfl.data.transforms`) of the base
 data, applied to each client's train and test samples. NIID-Bench's feature skew (Li et al.,
 ICDE 2022) adds Gaussian noise of std `noise * i / num_clients` to client i's inputs (pixels in
-[0, 1]; NIID-Bench's code divides by N - 1, the paper by N as here).
-
-It is done once, on copies of the arrays, with each client's own stream (`Purpose.DATA_SHIFT`),
-so every algorithm of a comparison sees the same images. The server test set is split over the
-domains (sample j in domain j mod D) unless the dataset has its own; the public split stays the
-base data. A held-out domain's clients are only evaluated (domain generalization).
+[0, 1]; NIID-Bench's code divides by N - 1, the paper by N as here). docs/data.md describes
+the user's side: the server test set, held-out domains, determinism and metrics.
 """
 
 from __future__ import annotations
@@ -33,11 +29,6 @@ if TYPE_CHECKING:
     from rayfl.schema import DomainsConfig
 
 logger = logging.getLogger(__name__)
-
-
-def dataset_domains(dataset: ArrayDataset) -> tuple[str, ...]:
-    """The domains a dataset brings itself (`rayfl.data.folder`), else ()."""
-    return tuple(getattr(dataset, "domain_names", ()))
 
 
 def client_counts(
@@ -129,7 +120,11 @@ class DomainPlan:
         """The dataset with shifted inputs (client i's samples at positions `samples[i]` of
         `x_train`), and the federation's `client_domain` and `eval_only` fields."""
         rgb = not self.real and transforms.needs_rgb(self.names) and ds.x_train.shape[1] == 1
-        x_train, x_test = _widen(ds.x_train, rgb), _widen(ds.x_test, rgb)
+        # writable copies, grey replicated to three channels when a recipe makes RGB
+        x_train, x_test = (
+            np.repeat(x, 3, axis=1) if rgb else np.array(x, copy=True)
+            for x in (ds.x_train, ds.x_test)
+        )
         n = len(samples)
         shifted = samples if (self.noise or not self.real) else ()
         for cid, idx in enumerate(shifted):
@@ -164,11 +159,6 @@ class DomainPlan:
         )
 
 
-def _widen(x: np.ndarray, rgb: bool) -> np.ndarray:
-    """A writable copy, grey replicated to three channels when `rgb`."""
-    return np.repeat(x, 3, axis=1) if rgb else np.array(x, copy=True)
-
-
 def _back(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
     """Float images in [0, 1] back to the dataset's dtype and scale (uint8 clipped)."""
     if ds.x_train.dtype == np.uint8:
@@ -180,7 +170,7 @@ def plan_for(
     spec: DomainsConfig | None, dataset: ArrayDataset, num_clients: int
 ) -> DomainPlan | None:
     """The plan of `data.domains` on this dataset, or None when nothing is shifted."""
-    own = dataset_domains(dataset)
+    own = tuple(getattr(dataset, "domain_names", ()))  # a dataset's own (`rayfl.data.images`)
     recipes = tuple(spec.transforms) if spec is not None else ()
     noise = float(spec.noise) if spec is not None else 0.0
     if not own and not recipes and not noise:

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rayfl.data.datasets import ArrayDataset, load_dataset
 from rayfl.data.domains import plan_for
 from rayfl.data.partition import PARTITIONERS
 from rayfl.errors import ConfigError, suggest
+from rayfl.gate import write_with
 from rayfl.seeding import Purpose, rng_of, words
 
 if TYPE_CHECKING:
@@ -154,13 +157,10 @@ def build_federation(
     domains: DomainsConfig | None = None,
     val_fraction: float = 0.0,
 ) -> Federation:
-    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only):
-    (1) a seeded subset of `train_samples`, (2) a seeded `public_fraction` of it held out, (3)
-    the rest partitioned (per domain for a dataset with its own), (4) each client's samples
-    split into train and test stratified by class (>= 1 train sample stays), `domains` applied
-    on copies of the arrays, (5) a stratified `val_fraction` of train moved to validation. Each
-    step draws its own stream (`rayfl.seeding`), so `val_fraction=0` leaves the splits as they
-    were, and the split is the same for every algorithm."""
+    """Split `dataset.x_train` over clients, deterministically in `seed` (index arrays only), in
+    the numbered steps below. Each step draws its own stream (`rayfl.seeding`), so
+    `val_fraction=0` leaves the splits as they were, and the split is the same for every
+    algorithm."""
     n = len(dataset.y_train)
     for key, value in [("test", test_fraction), ("public", public_fraction), ("val", val_fraction)]:
         if not 0.0 <= value < 1.0:
@@ -188,7 +188,8 @@ def build_federation(
     public = np.sort(order[:n_public]).astype(np.int64)
     private = np.sort(order[n_public:]).astype(np.int64)
 
-    # (3) the partition, over positions in `private`, mapped back to dataset indices
+    # (3) the partition (per domain for a dataset with its own), over positions in `private`,
+    # mapped back to dataset indices
     plan = plan_for(domains, dataset, num_clients)
     if plan is None:
         parts = fn(dataset.y_train[private], num_clients, seed, **options)
@@ -197,8 +198,8 @@ def build_federation(
         domain_of = None if own is None else own[private]
         parts = plan.partition(fn, dataset.y_train[private], domain_of, seed, options)
 
-    # (4) per-client stratified train/test split; each client has its own stream so one client's
-    # split does not depend on the others'.
+    # (4) per-client train/test split stratified by class (>= 1 train sample stays); each client
+    # has its own stream so one client's split does not depend on the others'.
     clients = tuple(
         _split_client(
             private[part],
@@ -251,11 +252,6 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
     val only when a client has one), `index` (int64 into `x_train`). `class_counts.parquet`:
     `client`, `split`, `class` (int32), `count` (int64), one row per client, split and class.
     """
-    import pyarrow as pa  # lazy: only runs that save need it
-    import pyarrow.parquet as pq
-
-    from rayfl.gate import write_with
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     names = SPLITS if fed.has_val else SPLITS[:2]
@@ -296,8 +292,6 @@ def save_partition(fed: Federation, run_dir: str | Path) -> list[Path]:
 def load_partition(path: str | Path) -> dict[str, Any]:
     """`{"clients": {client_id: ClientSplit}, "public": indices}` from a `partition.parquet`
     written by `save_partition` (`path`: the file or the run directory holding it)."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if path.is_dir():
         path = path / PARTITION_FILE

@@ -6,23 +6,14 @@ A *recipe* is a string `name` or `name:parameter`, e.g. `rotate:90`, `tint:red`,
 to [0, 1] and draw any randomness from the generator they are given, so the same seed gives the
 same images. `rayfl.data.domains` applies them once, when the federation is built.
 
-Two families:
-
-- parameterised transformations (`identity`, `rotate`, `tint`, `invert`, `blur`, `shear`,
-  `scale`, `noise`);
-- corruption recipes at severities 1-5 of CIFAR-10-C (Hendrycks & Dietterich, ICLR 2019,
-  github.com/hendrycks/robustness, `make_cifar_c.py`), whose severity constants are followed:
-  `gaussian_noise`, `shot_noise`, `impulse_noise`, `speckle_noise`, `gaussian_blur`,
-  `defocus_blur`, `zoom_blur`, `contrast`, `brightness`, `pixelate`, `jpeg_compression`,
-  `elastic_transform`, `fog`. Deviations: `brightness` scales a pixel's RGB by the ratio
-  HSV's value gains (the same as adding to V), `impulse_noise` salts and peppers each value
-  independently (scikit-image's `s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed
-  random field with rayfl's own strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu &
-  Gilmer 2019)'s affine corruptions are `rotate`, `shear` and `scale`.
-
-Left out: `glass_blur` (a per-pixel swap loop), `motion_blur` and `snow` (ImageMagick's motion
-blur), `frost` (texture image files), `spatter`, `saturate` (colour only), and MNIST-C's
-`stripe`, `dotted_line`, `zigzag`, `canny_edges`, `translate`.
+Two families (`rayfl ls partitioners` lists them): parameterised transformations, and
+corruptions at severities 1-5 of CIFAR-10-C (Hendrycks & Dietterich, ICLR 2019,
+github.com/hendrycks/robustness, `make_cifar_c.py`), whose severity constants are followed.
+Deviations: `brightness` scales a pixel's RGB by the ratio HSV's value gains (the same as
+adding to V), `impulse_noise` salts and peppers each value independently (scikit-image's
+`s&p`), `elastic_transform` is Simard et al. (2003)'s smoothed random field with rayfl's own
+strengths (CIFAR-10-C adds an affine part). MNIST-C (Mu & Gilmer 2019)'s affine corruptions
+are `rotate`, `shear` and `scale`. The corruptions left out are listed in docs/data.md.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from rayfl.errors import ConfigError, suggest
 
@@ -153,8 +145,6 @@ def _gaussian(x: np.ndarray, sigma: float) -> np.ndarray:
 
 def _each_image(x: np.ndarray, fn: Callable[[Any], Any]) -> np.ndarray:
     """Apply a PIL function to every (C, H, W) image; grey and RGB only."""
-    from PIL import Image
-
     out = np.empty_like(x)
     u8 = np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)
     for i, img in enumerate(u8):
@@ -302,8 +292,6 @@ def brightness(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
 
 @_severity("pixelate", (0.95, 0.9, 0.85, 0.75, 0.65), "CIFAR-10-C pixelate (box down and up)")
 def pixelate(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
-    from PIL import Image
-
     h, w = x.shape[-2:]
     small = (max(1, int(w * c)), max(1, int(h * c)))
     return _each_image(
@@ -313,8 +301,6 @@ def pixelate(x: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
 
 @_severity("jpeg_compression", (80, 65, 58, 50, 40), "CIFAR-10-C JPEG at quality 80..40")
 def jpeg_compression(x: np.ndarray, quality: int, rng: np.random.Generator) -> np.ndarray:
-    from PIL import Image
-
     def jpeg(im: Any) -> Any:
         buf = io.BytesIO()
         im.save(buf, "JPEG", quality=quality)

@@ -40,18 +40,14 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
     faster; results differ from NCHW in float rounding only). Only when every convolution's
     channels are multiples of 8 (AVX2's block width): oneDNN's channels-last kernels corrupt
     the heap on odd widths (width-sliced ResNets of 6, 13 or 51 channels). GPUs keep theirs."""
-    if torch.device(device).type == "cpu" and _blocked_channels(module):
-        return module.to(device).to(memory_format=torch.channels_last)
-    return module.to(device)
-
-
-def _blocked_channels(module: nn.Module) -> bool:
-    """Whether every convolution's output channels, and its input channels past the first
-    convolution (which reads the image), are multiples of 8."""
     convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
-    return all(
+    # the first convolution reads the image: its input channels need not be blocked
+    blocked = all(
         c.out_channels % 8 == 0 and (i == 0 or c.in_channels % 8 == 0) for i, c in enumerate(convs)
     )
+    if torch.device(device).type == "cpu" and blocked:
+        return module.to(device).to(memory_format=torch.channels_last)
+    return module.to(device)
 
 
 def build_model(arch: str, in_shape: Sequence[int], num_classes: int) -> SplitModel:

@@ -119,18 +119,14 @@ def family_from_config(name: str, architectures: Sequence[str] | None = None) ->
     archs = tuple(architectures)
     if not archs:
         raise ConfigError("model.architectures is empty; list at least one model or omit it")
-    _validate_architectures(archs, key="model.architectures")
-    return Family("custom", archs)
-
-
-def _validate_architectures(archs: Sequence[str], key: str) -> None:
     for arch in archs:
-        MODELS.get(arch, key=key)
+        MODELS.get(arch, key="model.architectures")
         if arch in AUXILIARY_MODELS:
             raise ConfigError(
-                f"{key}: {arch!r} is not a classifier and cannot be a client model; "
-                "pick another architecture"
+                f"model.architectures: {arch!r} is not a classifier and cannot be a client "
+                "model; pick another architecture"
             )
+    return Family("custom", archs)
 
 
 # Family name -> `Family`; the built-ins below.

@@ -5,6 +5,7 @@ norm. The zoo registers `resnet18` and `resnet18_w1`..`resnet18_w10` (`rayfl.mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,13 +39,6 @@ class Scaler(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}"
-
-
-def _batch_norm(static: bool) -> Callable[[int], nn.Module]:
-    """BatchNorm factory; `static=True` is HeteroFL's static BN (no running statistics)."""
-    if static:
-        return lambda c: nn.BatchNorm2d(c, momentum=None, track_running_stats=False)
-    return nn.BatchNorm2d
 
 
 class BasicBlock(nn.Module):
@@ -138,9 +132,10 @@ class ResNet18(SplitModel):
         if not width > 0:
             raise ConfigError(f"ResNet18 width is {width}; it must be > 0")
         c0, c1, c2, c3 = (max(1, round(c * width)) for c in _RESNET18_CHANNELS)
-        encoder = _ResNetEncoder(
-            in_channels, (c0, c1, c2, c3), _batch_norm(static_bn), width if scaler else None
-        )
+        # HeteroFL's static BN keeps no running statistics
+        static = functools.partial(nn.BatchNorm2d, momentum=None, track_running_stats=False)
+        norm = static if static_bn else nn.BatchNorm2d
+        encoder = _ResNetEncoder(in_channels, (c0, c1, c2, c3), norm, width if scaler else None)
         super().__init__(encoder, nn.Linear(c3, num_classes), c3)
         self.width = float(width)
         self.static_bn = bool(static_bn)

@@ -1,21 +1,14 @@
 """Scoring models whose batch norm keeps no running statistics, independently of the batch.
 
 HeteroFL's static batch norm (`ResNet18(static_bn=True)`, Diao et al., ICLR 2021, Sec. 3.2)
-normalizes with the statistics of the batch it is given, in training and in evaluation, so an
-image's score would depend on the other images of its batch: on `train.eval_batch_size` and on
-the label mix of a client's test split. The paper's answer, sBN, is followed here: before a
-model is scored, every such layer gets running statistics, accumulated (cumulative average,
-`momentum=None`) over a pass of the training data in which each layer normalizes with its batch's
-statistics, exactly as in training; the model is then scored in eval mode with those fixed
-statistics, and the layers return to their static form afterwards, so training and the model's
-state are untouched.
-
-One deviation, deliberate: the official code collects the statistics with the whole model in
-train mode, so HeteroFL's `Scaler` divides by the width rate while they are collected but not
-when the model is scored; it does so for the full-width global model only (rate 1, where the two
-agree). Here only the batch-norm layers are in train mode during the pass, so a narrow client
-model's statistics describe the very activations it is scored on (a batch norm of a scaled input
-with its own batch statistics is the same function in training: the scale cancels).
+normalizes with the statistics of the batch it is given, in evaluation too. The paper's sBN is
+followed: before a model is scored, every such layer gets running statistics (a cumulative
+average, `momentum=None`) over a pass of the training data in which each layer normalizes with
+its batch's statistics, exactly as in training; the model is scored in eval mode with them, and
+the layers return to their static form afterwards. Why, and the one deliberate deviation from
+the official code (only the batch-norm layers are in train mode during the pass, so HeteroFL's
+`Scaler` is not applied to what they collect): docs/engine.md, "Scores do not depend on the
+batch".
 """
 
 from __future__ import annotations

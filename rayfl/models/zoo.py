@@ -3,17 +3,8 @@
 Each builder has the signature `builder(in_shape, num_classes) -> SplitModel`, where
 `in_shape` excludes the batch dimension: `(C, H, W)` for images, `(D,)` for flat features.
 Flattened sizes are computed from `in_shape`, so every image model runs on 1x28x28
-(Fashion-MNIST), 3x32x32 (CIFAR) and small synthetic images such as 1x8x8.
-
-Families of architectures (see `rayfl.models.families`):
-
-* `seed3` (the pFedES design document's three groups): `cnn_small`, `resnet_small`, `mlp`,
-  all with `feature_dim` 128 so feature- and prototype-sharing baselines work across them.
-* `cnn5`: CNN-1..CNN-5 of the official pFedES code (Yi et al., AAAI 2025), `cnn1`..`cnn5`,
-  `feature_dim` 500.
-* `resnet_widths`: CIFAR-style ResNet-18 scaled in width (HeteroFL, Diao et al., ICLR 2021;
-  FedFD, Li et al., NeurIPS 2025): `resnet18` and `resnet18_w1`..`resnet18_w10`.
-* `tiny2`: `tiny_a` and `tiny_b`, two very small heterogeneous models for tests.
+(Fashion-MNIST), 3x32x32 (CIFAR) and small synthetic images such as 1x8x8. The families that
+group them are in `rayfl.models.families`.
 
 pFedES proxies, registered so `rayfl ls` lists them but normally used through their classes:
 `proxy_kd` (`ProxyExtractor`, the design document's proxy feature extractor) and
@@ -26,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -81,6 +72,20 @@ def _flat_size(module: nn.Module, in_shape: tuple[int, ...]) -> int:
     return int(out[0].numel())
 
 
+def _classifier(encoder: nn.Module, features: int, num_classes: int) -> SplitModel:
+    """`encoder` with a linear head from its `features` to the classes."""
+    return SplitModel(encoder, nn.Linear(features, num_classes), features)
+
+
+def _dense(in_features: int, widths: Sequence[int]) -> list[nn.Module]:
+    """Flatten, then a linear layer + ReLU to each of `widths` in turn."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for width in widths:
+        layers += [nn.Linear(in_features, width), nn.ReLU(inplace=True)]
+        in_features = width
+    return layers
+
+
 def _two_convs(channels: int) -> list[nn.Module]:
     """Two conv blocks: 32 then 64 channels, 3x3 padding 1, ReLU, 2x2 max-pool."""
     return [
@@ -98,10 +103,9 @@ def cnn_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     """Two conv layers (32, 64 channels, 3x3, ReLU, 2x2 max-pool), then linear to 128."""
     shape = _image_shape("cnn_small", in_shape, num_classes)
     _require_min_side("cnn_small", shape, 4)
-    trunk = nn.Sequential(*_two_convs(shape[0]), nn.Flatten())
-    flat = _flat_size(trunk, shape)
-    encoder = nn.Sequential(*trunk, nn.Linear(flat, _SEED3_FEATURES), nn.ReLU(inplace=True))
-    return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
+    trunk = nn.Sequential(*_two_convs(shape[0]))
+    encoder = nn.Sequential(*trunk, *_dense(_flat_size(trunk, shape), (_SEED3_FEATURES,)))
+    return _classifier(encoder, _SEED3_FEATURES, num_classes)
 
 
 @MODELS.register("resnet_small")
@@ -122,21 +126,23 @@ def resnet_small(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
         nn.Linear(64, _SEED3_FEATURES),
         nn.ReLU(inplace=True),
     )
-    return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
+    return _classifier(encoder, _SEED3_FEATURES, num_classes)
 
 
-@MODELS.register("mlp")
-def mlp(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """Flatten, hidden layer of 256, hidden layer of 128 (the features); any input shape."""
-    shape = _check_common("mlp", in_shape, num_classes)
-    encoder = nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(math.prod(shape), 256),
-        nn.ReLU(inplace=True),
-        nn.Linear(256, _SEED3_FEATURES),
-        nn.ReLU(inplace=True),
-    )
-    return SplitModel(encoder, nn.Linear(_SEED3_FEATURES, num_classes), _SEED3_FEATURES)
+# -- dense models on any input shape: hidden widths, the last being the features -------------------
+# `mlp` is seed3's third group; `tiny_a` and `tiny_b` are family tiny2's fast test models.
+_DENSE = {"mlp": (256, _SEED3_FEATURES), "tiny_a": (16,), "tiny_b": (32, 16)}
+
+
+def _dense_model(
+    arch: str, widths: tuple[int, ...], in_shape: tuple[int, ...], num_classes: int
+) -> SplitModel:
+    shape = _check_common(arch, in_shape, num_classes)
+    return _classifier(nn.Sequential(*_dense(math.prod(shape), widths)), widths[-1], num_classes)
+
+
+for _arch, _widths in _DENSE.items():
+    MODELS.add(_arch, functools.partial(_dense_model, _arch, _widths))
 
 
 # -- family cnn5: CNN-1..CNN-5 of the official pFedES code (feature_dim 500) -----------------------
@@ -146,12 +152,9 @@ _CNN5_FEATURES = 500
 
 
 def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """CNN-`index` of pFedES's official code (Yi et al., AAAI 2025).
-
-    conv 5x5 (C->16) + ReLU + 2x2 max-pool, conv 5x5 (16->32, CNN-2: 16->16) + ReLU +
-    2x2 max-pool, fc1 (flat->2000/2000/1000/800/500) + ReLU, fc2 (->500) + ReLU = the
-    500-d features; head fc3 (500->classes). fc1's input size follows the image size
-    (800 for 3x32x32, 512 for 1x28x28).
+    """CNN-`index` of pFedES's official code (Yi et al., AAAI 2025): two 5x5 conv + ReLU + 2x2
+    max-pool blocks, fc1 and fc2 + ReLU (the 500-d features), head fc3. fc1's input size
+    follows the image size (800 for 3x32x32, 512 for 1x28x28).
 
     Images smaller than 16x16 cannot pass two unpadded 5x5 convs and pools, so for them the
     convs use padding=2 (size-preserving); this is a deviation from the official code that
@@ -171,17 +174,9 @@ def _cnn5(index: int, in_shape: tuple[int, ...], num_classes: int) -> SplitModel
         nn.Conv2d(16, conv2_out, 5, padding=padding),
         nn.ReLU(inplace=True),
         nn.MaxPool2d(2, 2),
-        nn.Flatten(),
     )
-    flat = _flat_size(trunk, shape)
-    encoder = nn.Sequential(
-        *trunk,
-        nn.Linear(flat, fc1_out),
-        nn.ReLU(inplace=True),
-        nn.Linear(fc1_out, _CNN5_FEATURES),
-        nn.ReLU(inplace=True),
-    )
-    return SplitModel(encoder, nn.Linear(_CNN5_FEATURES, num_classes), _CNN5_FEATURES)
+    encoder = nn.Sequential(*trunk, *_dense(_flat_size(trunk, shape), (fc1_out, _CNN5_FEATURES)))
+    return _classifier(encoder, _CNN5_FEATURES, num_classes)
 
 
 for _index in _CNN5_SPECS:
@@ -213,13 +208,7 @@ class ProxyExtractor(nn.Module):
             trunk = nn.Sequential(*_two_convs(shape[0]), nn.AdaptiveAvgPool2d(1), nn.Flatten())
         else:
             # Mirrors the conv trunk: it too ends in a non-negative 64-vector.
-            trunk = nn.Sequential(
-                nn.Flatten(),
-                nn.Linear(math.prod(shape), 128),
-                nn.ReLU(inplace=True),
-                nn.Linear(128, 64),
-                nn.ReLU(inplace=True),
-            )
+            trunk = nn.Sequential(*_dense(math.prod(shape), (128, 64)))
         self.encoder = nn.Sequential(*trunk, nn.Linear(64, embed_dim), nn.ReLU(inplace=True))
         self.head = nn.Linear(embed_dim, num_classes)
         self.feature_dim = int(embed_dim)
@@ -268,44 +257,10 @@ def proxy_input(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 # -- family resnet_widths: width-scaled CIFAR-style ResNet-18 (HeteroFL / FedFD) -------------------
 
 
-def _resnet18_builder(arch: str) -> Callable[[tuple[int, ...], int], SplitModel]:
-    width = resnet_width(arch)
-
-    def builder(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-        shape = _image_shape(arch, in_shape, num_classes)
-        return ResNet18(shape[0], num_classes, width)
-
-    return builder
+def _resnet18(arch: str, in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    shape = _image_shape(arch, in_shape, num_classes)
+    return ResNet18(shape[0], num_classes, resnet_width(arch))
 
 
-MODELS.add("resnet18", _resnet18_builder("resnet18"))
-for _level in range(1, len(RESNET18_WIDTHS) + 1):
-    MODELS.add(f"resnet18_w{_level}", _resnet18_builder(f"resnet18_w{_level}"))
-
-
-# -- family tiny2: two very fast heterogeneous models for tests (feature_dim 16) -------------------
-_TINY_FEATURES = 16
-
-
-@MODELS.register("tiny_a")
-def tiny_a(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """Flatten, one linear layer to 16 + ReLU (the features); any input shape."""
-    shape = _check_common("tiny_a", in_shape, num_classes)
-    encoder = nn.Sequential(
-        nn.Flatten(), nn.Linear(math.prod(shape), _TINY_FEATURES), nn.ReLU(inplace=True)
-    )
-    return SplitModel(encoder, nn.Linear(_TINY_FEATURES, num_classes), _TINY_FEATURES)
-
-
-@MODELS.register("tiny_b")
-def tiny_b(in_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """Flatten, linear to 32 + ReLU, linear to 16 + ReLU (the features); any input shape."""
-    shape = _check_common("tiny_b", in_shape, num_classes)
-    encoder = nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(math.prod(shape), 32),
-        nn.ReLU(inplace=True),
-        nn.Linear(32, _TINY_FEATURES),
-        nn.ReLU(inplace=True),
-    )
-    return SplitModel(encoder, nn.Linear(_TINY_FEATURES, num_classes), _TINY_FEATURES)
+for _arch in ("resnet18", *(f"resnet18_w{k}" for k in range(1, len(RESNET18_WIDTHS) + 1))):
+    MODELS.add(_arch, functools.partial(_resnet18, _arch))

@@ -8,15 +8,10 @@ participants q * N (the paper's fixed-denominator estimator with w_k = 1), whate
 uploads arrived: dividing by the arrivals would make the denominator data-dependent.
 
 The accountant is Google's maintained `dp-accounting` library (RDP or PLD); nothing is
-hand-written here. Each round is accounted as the sampling that actually ran (`engine.sampling`):
-
-- `poisson`: a Poisson-sampled Gaussian at rate q = per_round / N under add/remove-one-client
-  neighbouring (the sum changes by at most `clip`: noise multiplier z). RDP or PLD.
-- `uniform` with K < N: dp-accounting's sampling-without-replacement event (Wang, Balle,
-  Kasiviswanathan 2019) of K out of N, which the library defines under replace-one-client
-  neighbouring (N public). Replacing a client moves the sum by up to 2 * clip, so the Gaussian's
-  multiplier relative to that sensitivity is z / 2. RDP only (PLD has no such event).
-- every client every round (K = N): an unsampled Gaussian of multiplier z, add/remove-one.
+hand-written here. Each round is accounted as the sampling that actually ran (`engine.sampling`;
+the table of events and neighbouring relations is in docs/privacy.md): `uniform` with K < N is
+the sampling-without-replacement event of Wang, Balle and Kasiviswanathan (2019), defined under
+replace-one-client neighbouring, where the sum moves by up to 2 * clip (multiplier z / 2).
 """
 
 from __future__ import annotations

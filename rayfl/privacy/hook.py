@@ -18,14 +18,9 @@ client. Algorithms do not know whether privacy is on; they only declare, through
   sum over its noisy presence sum (post-processing of the one noisy release), and presence sums
   below 0.5 mark a class as unseen.
 
-Integer entries (BatchNorm's step counter) are neither protected nor averaged: the server keeps
-the broadcast's value. Under DP only trainable parameters may be shared: a payload holding
-normalisation running statistics (`running_mean`, `running_var`) is refused, since noise on them
-makes variances negative. Anything else (nested dicts, per-client server logic) is refused by
-`check_fits` before a run starts.
-
-The DP noise comes from `noise_key`: fresh OS entropy per run unless `privacy.dp.noise_seed` is
-set; it is saved with the server's state in checkpoints (`state_dict`), never logged.
+What is noised, and the DP noise's secret (`noise_key`, kept in checkpoints, never logged), are
+described in docs/privacy.md; anything else (nested dicts, per-client server logic) is refused
+by `check_fits` before a run starts.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ import logging
 import math
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,6 +37,7 @@ import numpy as np
 from rayfl.algorithms.base import Algorithm, Payload, Reply
 from rayfl.errors import ConfigError, UserError
 from rayfl.privacy import dp, secagg
+from rayfl.sampling import sample_clients
 from rayfl.schema import PrivacyConfig, RunConfig, clients_per_round
 from rayfl.seeding import Purpose, seed_of, words
 
@@ -65,10 +62,11 @@ def sum_form(algo: Algorithm, params: Any) -> str | None:
     return getattr(server, "sum_form", None)
 
 
-def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
-    """Refuse, in one line, an algorithm whose aggregate is not a function of the uploads' sum."""
+def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> str | None:
+    """Refuse, in one line, an algorithm whose aggregate is not a function of the uploads' sum;
+    its sum form when privacy is on."""
     if not cfg.enabled:
-        return
+        return None
     form = sum_form(algo, params)
     on = "privacy.dp" if cfg.dp.enabled else "privacy.secagg"
     if form not in FORMS:
@@ -83,6 +81,7 @@ def check_fits(algo: Algorithm, cfg: PrivacyConfig, params: Any) -> None:
                 f"algorithm.{key} acts on each client's upload, which {on} hides from the server; "
                 f"set algorithm.{key}=null (privacy.dp.clip bounds each update instead)"
             )
+    return form
 
 
 def check_accounting(cfg: RunConfig) -> None:
@@ -111,13 +110,11 @@ def hook_for(algo: Algorithm, cfg: RunConfig) -> PrivacyHook | None:
     """The run's privacy hook, or None when no protection is on."""
     if not cfg.privacy.enabled:
         return None
-    check_fits(algo, cfg.privacy, cfg.algorithm.params)
+    form = check_fits(algo, cfg.privacy, cfg.algorithm.params)
     check_accounting(cfg)
-    form = sum_form(algo, cfg.algorithm.params)
-    assert form is not None
     return PrivacyHook(
         cfg.privacy,
-        form,
+        str(form),
         cfg.seed,
         cfg.data.num_clients,
         clients_per_round(cfg),
@@ -142,7 +139,6 @@ class Layout:
             )
         self.shapes = {k: tuple(template[k].shape) for k in self.keys}
         self.dtypes = {k: template[k].dtype for k in self.keys}
-        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flatten(self, payload: Mapping[str, np.ndarray]) -> np.ndarray:
         for k in self.keys:
@@ -164,46 +160,28 @@ class Layout:
         return out
 
 
+@dataclass(eq=False)
 class PrivacyHook:
-    """Both halves of the privacy layer for one run (picklable; built from the run spec).
+    """Both halves of the privacy layer for one run (picklable; built from the run spec)."""
 
-    Args:
-        cfg: the `privacy` config section.
-        form: the algorithm's `Server.sum_form`.
-        seed: the public run seed (SecAgg keys, masks and the simulated dropout derive from it,
-            the round and the client: the simulation's secrets are not secret).
-        num_clients: clients in the federation.
-        per_round: clients per round (`uniform`) or their expected number q * N (`poisson`); the
-            DP estimator's fixed denominator.
-        sampling: `engine.sampling`, the scheme the participants are drawn by and accounted as.
-    """
+    cfg: PrivacyConfig  # the `privacy` config section
+    form: str  # the algorithm's `Server.sum_form`
+    # The public run seed: SecAgg keys, masks and the simulated dropout derive from it, the
+    # round and the client (the simulation's secrets are not secret).
+    seed: int
+    num_clients: int  # clients in the federation
+    # Clients per round (`uniform`) or their expected number q * N (`poisson`): the DP
+    # estimator's fixed denominator.
+    per_round: int
+    sampling: str = "uniform"  # `engine.sampling`: how participants are drawn and accounted
+    # The secret of the DP noise: 128 bits of OS entropy unless the config pins it (unsafe).
+    noise_key: int = field(init=False, repr=False)
 
-    def __init__(
-        self,
-        cfg: PrivacyConfig,
-        form: str,
-        seed: int,
-        num_clients: int,
-        per_round: int,
-        sampling: str = "uniform",
-    ) -> None:
-        self.cfg = cfg
-        self.form = form
-        self.seed = seed
-        self.num_clients = num_clients
-        self.per_round = per_round
-        self.sampling = sampling
-        # The secret of the DP noise: 128 bits of OS entropy unless the config pins it (unsafe).
-        seed_cfg = cfg.dp.noise_seed
-        self.noise_key: int = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
-
-    @property
-    def sampling_rate(self) -> float:
-        return self.per_round / self.num_clients
+    def __post_init__(self) -> None:
+        seed_cfg = self.cfg.dp.noise_seed
+        self.noise_key = secrets.randbits(128) if seed_cfg is None else int(seed_cfg)
 
     def participants(self, round_idx: int) -> list[int]:
-        from rayfl.sampling import sample_clients
-
         return sample_clients(self.seed, round_idx, self.num_clients, self.per_round, self.sampling)
 
     def noise(self, size: int, round_idx: int) -> np.ndarray:
@@ -332,7 +310,7 @@ class PrivacyHook:
             "privacy/dropped": float(len(self.participants(round_idx)) - len(arrived))
         }
         if self.cfg.secagg.enabled:
-            size = self._size(base)
+            size = self.contribution(base, base, 1.0)[0].size  # of every upload's vector
             ring = self._secagg(round_idx).unmask(
                 {r.client_id: r.payload[MASKED] for r in arrived}, size
             )
@@ -349,14 +327,6 @@ class PrivacyHook:
         payload, weight = self.decode(total, len(arrived), base)
         combined = Reply(-1, first.arch, weight, payload)
         return [combined], metrics
-
-    def _size(self, sent: Mapping[str, np.ndarray]) -> int:
-        """Length of a contribution vector (and of the masked upload) for this broadcast."""
-        if self.form == "weighted_mean":
-            n = Layout(sent).size
-            return n if self.cfg.dp.enabled else n + 1
-        c = len(sent["counts"])
-        return int(np.asarray(sent["means"]).size) + c
 
 
 def check_trainable_only(sent: Mapping[str, Any]) -> None:

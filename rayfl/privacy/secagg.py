@@ -50,10 +50,6 @@ def private_key(seed: int, round_idx: int, client: int) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(_digest("rayfl-secagg-sk", seed, round_idx, client))
 
 
-def private_bytes(key: X25519PrivateKey) -> bytes:
-    return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-
-
 def public_key(seed: int, round_idx: int, client: int) -> X25519PublicKey:
     return private_key(seed, round_idx, client).public_key()
 
@@ -98,11 +94,6 @@ def decode(ring: np.ndarray, frac_bits: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- Shamir sharing
-
-
-def threshold(num_participants: int, fraction: float) -> int:
-    """Shares needed to rebuild a secret: `floor(fraction * n) + 1`, at least 1, at most n."""
-    return min(num_participants, max(1, int(fraction * num_participants) + 1))
 
 
 def shamir_split(secret: int, holders: int, t: int, key: bytes) -> list[tuple[int, int]]:
@@ -153,7 +144,8 @@ class SecAggRound:
         self.seed = seed
         self.round = round_idx
         self.participants = sorted(int(c) for c in participants)
-        self.t = threshold(len(self.participants), threshold_fraction)
+        n = len(self.participants)
+        self.t = min(n, max(1, int(threshold_fraction * n) + 1))  # shares that rebuild a secret
         self._holder = {c: k for k, c in enumerate(self.participants)}
 
     # -- client side ---------------------------------------------------------------------------
@@ -180,7 +172,9 @@ class SecAggRound:
         secret = (
             self_seed(self.seed, self.round, owner)
             if what == "b"
-            else private_bytes(private_key(self.seed, self.round, owner))
+            else private_key(self.seed, self.round, owner).private_bytes(
+                Encoding.Raw, PrivateFormat.Raw, NoEncryption()
+            )
         )
         shares = shamir_split(
             int.from_bytes(secret, "big"),

@@ -1,4 +1,4 @@
-"""The multi-domain folder loader (rayfl.data.folder) on a tree of real PNG and JPEG files."""
+"""The multi-domain folder loader (rayfl.data.images) on a tree of real PNG and JPEG files."""
 
 from __future__ import annotations
 
