@@ -141,6 +141,7 @@ def _execute(
         if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
         elif not isinstance(got, dict):  # the trial itself died (not the run's own error)
+            log.warning("suite run %s failed: %s", run_dir, got)
             done(index, failed_row(run, run_dir, got), [])
     if stopped:
         raise KeyboardInterrupt

@@ -75,7 +75,9 @@ def run_grid(
                 resources=lambda config: tune.PlacementGroupFactory(bundles[config["run"]]),
             ),
             param_space={"run": tune.grid_search(list(jobs))},
-            tune_config=tune.TuneConfig(max_concurrent_trials=parallel),
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=parallel, trial_dirname_creator=_dirname
+            ),
             run_config=tune.RunConfig(
                 name=name, storage_path=storage, verbose=0, callbacks=[_handing(on_result)]
             ),
@@ -84,10 +86,26 @@ def run_grid(
         tune_log.setLevel(level)
         shutil.rmtree(storage, ignore_errors=True)
     out: dict[int, dict[str, Any] | BaseException | None] = {}
-    for result in grid:
+    for result in grid:  # (a trial that died before it reported has no config: its folder)
+        index = int(Path(result.path).name.removeprefix("run"))
         reported = (result.metrics or {}).get("returned")
-        out[int(result.config["run"])] = json.loads(reported) if reported else result.error
+        out[index] = json.loads(reported) if reported else trial_error(result.error)
     return out
+
+
+def _dirname(trial: Any) -> str:
+    return f"run{trial.config['run']}"
+
+
+def trial_error(error: BaseException | None) -> BaseException | None:
+    """A dead trial's error as one line: the last of Ray's traceback (the run's own error,
+    e.g. `ModuleNotFoundError: No module named 'rayfl'` from a worker that cannot import it)."""
+    if error is None:
+        return None
+    text = str(error).strip()
+    return RuntimeError(
+        f"its Ray Tune trial died: {text.splitlines()[-1] if text else repr(error)}"
+    )
 
 
 def _trial(
