@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import yaml
 
 from rayfl import gate
 from rayfl.errors import UserError
+from rayfl.schema import EngineConfig
 from rayfl.tune.report import (
     SweepResult,
     _collect,
@@ -103,6 +105,39 @@ def _absolute_uri(uri: str | None) -> str:
     return uri
 
 
+@contextlib.contextmanager
+def held(out: Path) -> Iterator[None]:
+    """The folder of a suite or a sweep, held by this process: another `rayfl compare` or
+    `rayfl tune` on it is refused in one line."""
+    lock = gate.Folder(out, create=True)
+    if not lock.lock():
+        raise UserError(
+            f"{out} is in use by another rayfl compare or tune (pid {lock.owner()}); "
+            "wait for it to finish or choose another --out"
+        )
+    try:
+        yield
+    finally:
+        lock.unlock()
+        lock.close()
+
+
+@contextlib.contextmanager
+def ray_for(engine: EngineConfig) -> Iterator[None]:
+    """Ray for many runs: the one already initialized, else `engine.address`, else a private
+    local Ray shut down at the end."""
+    import ray
+
+    from rayfl.engine.startup import init_ray
+
+    started = init_ray(engine.address, engine.ray_num_cpus)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def run_sweep(
     path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None
 ) -> str:
@@ -119,8 +154,6 @@ def sweep_and_report(
     """`run_sweep`, also returning the structured result."""
     import ray
 
-    from rayfl.engine.startup import init_ray
-
     sweep = load_sweep(path, overrides)
     default = Path("runs") / "sweeps" / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(out if out is not None else default).expanduser().resolve()
@@ -130,12 +163,9 @@ def sweep_and_report(
         state = {}
     check_folder(sweep, out_dir)
     e = sweep.config.engine
-    started = init_ray(e.address, e.ray_num_cpus)
-    try:
-        result = _run(sweep, out_dir, state, strict_fit=started and not e.address)
-    finally:
-        if started:
-            ray.shutdown()
+    private = not ray.is_initialized() and not e.address
+    with held(out_dir), ray_for(e):
+        result = _run(sweep, out_dir, state, strict_fit=private)
     return result, format_results(result)
 
 
