@@ -8,9 +8,9 @@ from rayfl.compare.results import (
     DOMAIN_PREFIX,
     aggregate,
     arch_rows,
+    curves_and_spread,
     format_results,
     mean_col,
-    mean_curves,
 )
 from rayfl.compare.suite import load_suite
 
@@ -19,9 +19,9 @@ __all__ = [
     "SuiteInterrupted",
     "aggregate",
     "arch_rows",
+    "curves_and_spread",
     "format_results",
     "load_suite",
     "mean_col",
-    "mean_curves",
     "run_suite",
 ]

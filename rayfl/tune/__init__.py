@@ -3,7 +3,7 @@ placement group, reporting every round (so ASHA can stop it early) and logging a
 under the sweep's parent run. The sweep file, its overrides and outputs: docs/engine.md, Sweeps.
 """
 
-from rayfl.tune.report import SweepResult, write_results
+from rayfl.tune.report import SweepResult
 from rayfl.tune.run import run_sweep, sweep_and_report
 from rayfl.tune.sweep import load_sweep, num_trials, search_space, split_overrides
 from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
@@ -20,5 +20,4 @@ __all__ = [
     "sweep_and_report",
     "trial_bundles",
     "trial_config",
-    "write_results",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 from rayfl.schema import RunConfig
 from rayfl.tune.run import _absolute_uri
-from rayfl.tune.trial import trial_bundles, trial_workers
+from rayfl.tune.trial import trial_bundles, trial_shapes
 
 DRIVER_CPUS = 0.01  # a run's own process (with engine.executor=ray it waits on its workers)
 Stopped = None  # what `run_grid` returns for a run Ctrl-C stopped before it ended
@@ -58,7 +58,7 @@ def run_grid(
     bundles: dict[int, list[dict[str, float]]] = {}
     for index, cfg in configs.items():
         if cfg.engine.executor == "ray":  # as many workers as its bundles hold
-            engine = dataclasses.replace(cfg.engine, num_workers=trial_workers(cfg, room))
+            engine = dataclasses.replace(cfg.engine, num_workers=len(trial_shapes(cfg, room)))
             cfg = dataclasses.replace(cfg, engine=engine)
         jobs[index] = pinned(cfg)
         bundles[index] = trial_bundles(cfg, DRIVER_CPUS, room)

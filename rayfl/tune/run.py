@@ -16,6 +16,7 @@ import yaml
 from rayfl import gate
 from rayfl.errors import UserError
 from rayfl.schema import EngineConfig
+from rayfl.tables import write_table
 from rayfl.tune.report import (
     SweepResult,
     _collect,
@@ -24,7 +25,6 @@ from rayfl.tune.report import (
     format_results,
     reported,
     write_best_config,
-    write_results,
 )
 from rayfl.tune.state import check_tune_state, seal_tune_state, snapshots
 from rayfl.tune.sweep import Sweep, _probe_values, load_sweep, search_space
@@ -281,7 +281,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         result.parent_run_id, result.tracking_uri = parent.run_id, parent.uri
         if not result.rows:
             raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
-        write_results(result.rows, out / "results.parquet")
+        write_table(result.rows, out / "results.parquet")  # mixed-type columns as text
         if result.best is None:
             first = next((r["error"] for r in rows if r["error"]), "no trial reported the metric")
             raise UserError(

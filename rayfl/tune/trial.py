@@ -17,11 +17,6 @@ from rayfl.tune.sweep import Sweep
 log = logging.getLogger(__name__)
 
 
-def trial_workers(cfg: RunConfig, room: Mapping[str, float] | None = None) -> int:
-    """Worker actors of one trial with engine.executor=ray (see `trial_shapes`)."""
-    return len(trial_shapes(cfg, room))
-
-
 def trial_shapes(cfg: RunConfig, room: Mapping[str, float] | None = None) -> list[Any]:
     """The reservation (`Resources`) of each worker of one trial: `engine.num_workers` workers,
     else one (one per resource shape with `engine.resources_by_arch`), so a trial never asks
@@ -133,7 +128,7 @@ def trial_config(job: TrialJob, values: Mapping[str, Any], trial_name: str) -> R
     if cfg.engine.executor == "ray":
         # The worker count must match the bundles reserved for this trial; the trial joins the
         # running Ray (engine.address is ignored once Ray is initialized).
-        extra["engine.num_workers"] = trial_workers(cfg)
+        extra["engine.num_workers"] = len(trial_shapes(cfg))
     return job.sweep.config_for({**values, **extra})
 
 
