@@ -223,10 +223,13 @@ def _run_held(
         if slots[index] is None:
             todo.append((index, run, run_dir))
     if len(todo) < len(suite.runs):
-        done_before = len(suite.runs) - len(todo)
         log.warning(
             "suite %s: %d of %d runs already finished in %s; running the other %d",
-            *(suite.name, done_before, len(suite.runs), out_dir, len(todo)),
+            suite.name,
+            len(suite.runs) - len(todo),
+            len(suite.runs),
+            out_dir,
+            len(todo),
         )
     start = time.perf_counter()
     bar = tqdm(
