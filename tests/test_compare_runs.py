@@ -90,7 +90,7 @@ def _never_runs(cfg, index, gone):
 @pytest.mark.ray
 def test_a_trial_that_dies_before_it_reports_is_named_with_its_error(synthetic_raw, ray_local):
     from rayfl.config import build_config
-    from rayfl.tune.grid import run_grid
+    from rayfl.tune.trial import run_grid
 
     cfg = build_config(synthetic_raw, [])
     got = run_grid("dies", {0: cfg}, 1, _never_runs, gone=_Unimportable())

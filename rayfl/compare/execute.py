@@ -27,9 +27,8 @@ from rayfl.engine.rundir import read_mlflow_run
 from rayfl.errors import ConfigError
 from rayfl.schema import RunConfig
 from rayfl.tables import write_table
-from rayfl.tune.grid import Stopped, run_grid
 from rayfl.tune.run import ParentRun, held, ray_for
-from rayfl.tune.trial import continue_run, finished
+from rayfl.tune.trial import Stopped, continue_run, finished, run_grid
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ def _execute(
     keep_checkpoints: bool,
     done: Any,
 ) -> None:
-    """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
+    """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.trial.run_grid`);
     `done(index, row, history)` as each run ends. Raises KeyboardInterrupt when Ctrl-C stopped
     a run before it ended."""
     runs = {index: (run, run_dir) for index, run, run_dir in todo}

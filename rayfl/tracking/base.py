@@ -187,3 +187,13 @@ def default_tracking_uri() -> str:
     if uri:
         return uri
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def absolute_uri(uri: str | None) -> str:
+    """`uri` (default: `default_tracking_uri`) with a relative SQLite path made absolute: Tune
+    trials run in their own directories."""
+    uri = uri or default_tracking_uri()
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((Path.cwd() / uri[len(prefix) :]).resolve())
+    return uri

@@ -17,6 +17,7 @@ from rayfl import gate
 from rayfl.errors import UserError
 from rayfl.schema import EngineConfig
 from rayfl.tables import write_table
+from rayfl.tracking.base import absolute_uri
 from rayfl.tune.report import (
     SweepResult,
     _collect,
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class ParentRun:
-    """The MLflow parent run of a sweep or a suite, written through the `Tracker` protocol like
+    """The MLflow parent run of a sweep or a suite, written through a `Tracker` like
     every run (nothing with `tracking.backend=none`); its runs log child runs under it
     (`mlflow.parentRunId`). Its id is kept in `<out>/mlflow_run.json` (through the gate): with
     `reopen` the one recorded there is reopened, not duplicated, only in the store the config
@@ -54,7 +55,7 @@ class ParentRun:
         from rayfl.tracking import make_tracker
 
         mlflow = tracking.backend == "mlflow"
-        self.uri = _absolute_uri(tracking.uri) if mlflow else None
+        self.uri = absolute_uri(tracking.uri) if mlflow else None
         previous = read_mlflow_run(out) if mlflow and reopen else None
         if previous is not None and previous.get("tracking_uri") != self.uri:
             previous = None
@@ -92,17 +93,6 @@ class ParentRun:
         interruption stopped) end KILLED."""
         self._end_children()
         self.tracker.close(status)
-
-
-def _absolute_uri(uri: str | None) -> str:
-    """Trials run in their own directories: a relative SQLite path must become absolute."""
-    from rayfl.tracking.base import default_tracking_uri
-
-    uri = uri or default_tracking_uri()
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str((Path.cwd() / uri[len(prefix) :]).resolve())
-    return uri
 
 
 @contextlib.contextmanager
@@ -203,7 +193,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         )
     _check_fits(sweep, strict=strict_fit)
     if sweep.config.tracking.backend == "mlflow":
-        _warn_sqlite_on_cluster(_absolute_uri(sweep.config.tracking.uri))
+        _warn_sqlite_on_cluster(absolute_uri(sweep.config.tracking.uri))
     # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
     parent = ParentRun(
         out,
