@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import rayfl.algorithms.fedproto  # noqa: F401  (registration)
-from rayfl.compare import aggregate, curves_and_spread, load_suite, run_suite
+from rayfl.compare import load_suite, run_suite
+from rayfl.compare.results import aggregate, curves_and_spread
 from rayfl.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,7 +222,7 @@ def test_shipped_suites_load(name, runs):
 
 
 def test_the_table_names_the_evaluation_protocol(tmp_path):
-    from rayfl.compare import format_results
+    from rayfl.compare.results import format_results
 
     path = write_suite(tmp_path)
     suite = load_suite(path, ["eval.protocol=after_fit"])

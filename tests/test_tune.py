@@ -17,16 +17,9 @@ import yaml
 
 from rayfl.config import load_config
 from rayfl.errors import ConfigError, UserError
-from rayfl.tune import (
-    TrialJob,
-    TuneReport,
-    load_sweep,
-    num_trials,
-    search_space,
-    split_overrides,
-    trial_bundles,
-    trial_config,
-)
+from rayfl.tune import load_sweep
+from rayfl.tune.sweep import num_trials, search_space, split_overrides
+from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
 
 REPO = Path(__file__).resolve().parents[1]
 

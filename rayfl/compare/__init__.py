@@ -4,24 +4,6 @@ same command. The suite file, its selectors and outputs: docs/engine.md, Suites.
 """
 
 from rayfl.compare.execute import SuiteInterrupted, run_suite
-from rayfl.compare.results import (
-    DOMAIN_PREFIX,
-    aggregate,
-    arch_rows,
-    curves_and_spread,
-    format_results,
-    mean_col,
-)
 from rayfl.compare.suite import load_suite
 
-__all__ = [
-    "DOMAIN_PREFIX",
-    "SuiteInterrupted",
-    "aggregate",
-    "arch_rows",
-    "curves_and_spread",
-    "format_results",
-    "load_suite",
-    "mean_col",
-    "run_suite",
-]
+__all__ = ["SuiteInterrupted", "load_suite", "run_suite"]

@@ -5,19 +5,6 @@ under the sweep's parent run. The sweep file, its overrides and outputs: docs/en
 
 from rayfl.tune.report import SweepResult
 from rayfl.tune.run import run_sweep, sweep_and_report
-from rayfl.tune.sweep import load_sweep, num_trials, search_space, split_overrides
-from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
+from rayfl.tune.sweep import load_sweep
 
-__all__ = [
-    "SweepResult",
-    "TrialJob",
-    "TuneReport",
-    "load_sweep",
-    "num_trials",
-    "run_sweep",
-    "search_space",
-    "split_overrides",
-    "sweep_and_report",
-    "trial_bundles",
-    "trial_config",
-]
+__all__ = ["SweepResult", "load_sweep", "run_sweep", "sweep_and_report"]
