@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import rayfl.algorithms.fedproto  # noqa: F401  (registration)
-from rayfl.compare import aggregate, load_suite, mean_curves, run_suite
+from rayfl.compare import load_suite, run_suite
+from rayfl.compare.results import aggregate, curves_and_spread
 from rayfl.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,10 +111,11 @@ def test_aggregate_golden():
     assert out["a"]["personal/acc [mean]"] == pytest.approx(0.6)
     assert out["a"]["personal/acc [std]"] == pytest.approx(np.std([0.5, 0.7], ddof=1))
     assert out["b"]["personal/acc [std]"] is None and out["b"]["seeds"] == 1
-    curves = mean_curves(
+    curves, spread = curves_and_spread(
         {"a": [[{"round": 1, "x": 0.2}, {"round": 2, "x": 0.4}], [{"round": 1, "x": 0.4}]]}, "x"
     )
     assert curves == {"a": [(1, pytest.approx(0.3)), (2, pytest.approx(0.4))]}
+    assert spread == {"a": [(1, pytest.approx(np.std([0.2, 0.4], ddof=1)))]}
 
 
 @pytest.mark.slow
@@ -220,7 +222,7 @@ def test_shipped_suites_load(name, runs):
 
 
 def test_the_table_names_the_evaluation_protocol(tmp_path):
-    from rayfl.compare import format_results
+    from rayfl.compare.results import format_results
 
     path = write_suite(tmp_path)
     suite = load_suite(path, ["eval.protocol=after_fit"])

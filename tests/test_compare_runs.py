@@ -72,3 +72,30 @@ def test_parallel_runs_on_ray_give_the_serial_numbers(tmp_path, ray_local):
     assert {r["status"] for r in b.values()} == {"FINISHED"}, table
     for label in ("local", "proto"):
         assert b[label]["personal/acc"] == a[label]["personal/acc"]
+
+
+class _Unimportable:
+    """Unpickled on a Ray worker, it fails as a worker that cannot import rayfl does."""
+
+    def __reduce__(self):
+        import importlib
+
+        return importlib.import_module, ("rayfl_not_importable_here",)
+
+
+def _never_runs(cfg, index, gone):
+    raise AssertionError("its parameters cannot be unpickled")
+
+
+@pytest.mark.ray
+def test_a_trial_that_dies_before_it_reports_is_named_with_its_error(synthetic_raw, ray_local):
+    from rayfl.config import build_config
+    from rayfl.tune.trial import run_grid
+
+    cfg = build_config(synthetic_raw, [])
+    got = run_grid("dies", {0: cfg}, 1, _never_runs, gone=_Unimportable())
+    assert isinstance(got[0], RuntimeError)
+    message = (
+        "its Ray Tune trial died: ModuleNotFoundError: No module named 'rayfl_not_importable_here'"
+    )
+    assert str(got[0]) == message

@@ -101,7 +101,7 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
 
 def test_sweep_report_lists_trials(tmp_path):
     from rayfl import gate
-    from rayfl.tune import write_results
+    from rayfl.tables import write_table
 
     gate.write(tmp_path / "sweep.yaml", Path("experiments/sweeps/pfedes_T_alpha.yaml").read_bytes())
     rows = [
@@ -109,7 +109,7 @@ def test_sweep_report_lists_trials(tmp_path):
         | {"personal/val_acc": val, "personal/acc": acc, "rounds": 3, "status": "done", "error": ""}
         for i, (t, a, val, acc) in enumerate([(2.0, 0.1, 0.6, 0.7), (4.0, 0.3, 0.6432, 0.5)])
     ]
-    write_results(rows, tmp_path / "results.parquet")
+    write_table(rows, tmp_path / "results.parquet")
     page = write_report(tmp_path).read_text()
     assert "2 trials" in page and "0.6432" in page and "algorithm.alpha" in page
     # ranked on validation: t1 wins though t0's test accuracy is higher; its test score is shown

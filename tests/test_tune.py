@@ -17,16 +17,9 @@ import yaml
 
 from rayfl.config import load_config
 from rayfl.errors import ConfigError, UserError
-from rayfl.tune import (
-    TrialJob,
-    TuneReport,
-    load_sweep,
-    num_trials,
-    search_space,
-    split_overrides,
-    trial_bundles,
-    trial_config,
-)
+from rayfl.tune import load_sweep
+from rayfl.tune.sweep import num_trials, search_space, split_overrides
+from rayfl.tune.trial import TrialJob, TuneReport, trial_bundles, trial_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -304,3 +297,13 @@ def test_tiny_sweep_writes_results_best_config_and_mlflow_runs(
     assert again.rows == result.rows
     assert again.parent_run_id == result.parent_run_id
     assert len(client.search_runs([parent.info.experiment_id])) == 3  # no new child run
+
+
+def test_a_folder_held_by_a_sweep_or_suite_is_refused_to_a_second(tmp_path) -> None:
+    from rayfl.tune.run import held
+
+    busy = r"in use by another rayfl compare or tune \(pid \d+\)"
+    with held(tmp_path / "out"), pytest.raises(UserError, match=busy), held(tmp_path / "out"):
+        pass
+    with held(tmp_path / "out"):  # released when the first ended
+        pass

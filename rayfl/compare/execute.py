@@ -24,12 +24,11 @@ from rayfl.compare.results import (
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite
 from rayfl.engine.rundir import read_mlflow_run
-from rayfl.errors import ConfigError, UserError
+from rayfl.errors import ConfigError
 from rayfl.schema import RunConfig
 from rayfl.tables import write_table
-from rayfl.tune.grid import Stopped, run_grid
-from rayfl.tune.run import ParentRun
-from rayfl.tune.trial import continue_run, finished
+from rayfl.tune.run import ParentRun, held, ray_for
+from rayfl.tune.trial import Stopped, continue_run, finished, run_grid
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ def _execute(
     keep_checkpoints: bool,
     done: Any,
 ) -> None:
-    """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.grid.run_grid`);
+    """Run `todo` `suite.parallel` at a time as a Ray Tune grid (`rayfl.tune.trial.run_grid`);
     `done(index, row, history)` as each run ends. Raises KeyboardInterrupt when Ctrl-C stopped
     a run before it ended."""
     runs = {index: (run, run_dir) for index, run, run_dir in todo}
@@ -141,6 +140,7 @@ def _execute(
         if got is Stopped:  # Ctrl-C stopped it before it ended
             stopped = True
         elif not isinstance(got, dict):  # the trial itself died (not the run's own error)
+            log.warning("suite run %s failed: %s", run_dir, got)
             done(index, failed_row(run, run_dir, got), [])
     if stopped:
         raise KeyboardInterrupt
@@ -188,22 +188,14 @@ def run_suite(
     out_dir = (
         Path(out) if out else Path("runs") / f"suite-{suite.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    lock = gate.Folder(out_dir, create=True)
-    if not lock.lock():
-        raise UserError(
-            f"suite folder {out_dir} is in use by another rayfl compare (pid {lock.owner()}); "
-            "wait for it to finish or choose another --out"
-        )
     try:
-        return _run_locked(suite, Path(path), overrides, out_dir, progress, keep_checkpoints)
+        with held(out_dir):
+            return _run_held(suite, Path(path), overrides, out_dir, progress, keep_checkpoints)
     except KeyboardInterrupt:
         raise SuiteInterrupted(out_dir) from None
-    finally:
-        lock.unlock()
-        lock.close()
 
 
-def _run_locked(
+def _run_held(
     suite: Suite,
     path: Path,
     overrides: Sequence[str],
@@ -222,7 +214,6 @@ def _run_locked(
     params |= {"overrides": list(overrides), "runs": len(suite.runs), "parallel": suite.parallel}
     # (this process holds the folder's lock: children a reopened parent left RUNNING were killed)
     parent = ParentRun(out_dir, first, f"suite-{suite.name}", {"rayfl.suite": suite.name}, params)
-    parent_id = parent.run_id
     slots: list[tuple[dict[str, Any], list[Any]] | None] = [None] * len(suite.runs)
     todo: list[tuple[int, SuiteRun, Path]] = []
     for index, run in enumerate(suite.runs):
@@ -255,23 +246,15 @@ def _run_locked(
         write_table([s[0] for s in slots if s is not None], out_dir / "runs", csv=True)
         bar.update(1)
 
-    from rayfl.engine.startup import init_ray
-
-    e = suite.runs[0].config.engine
-    started_ray = False
-    try:
-        if todo:  # a Ray that cannot start ends the parent run FAILED, not RUNNING
-            started_ray = init_ray(e.address, e.ray_num_cpus)
-            _execute(suite, todo, parent_id, keep_checkpoints, done)
+    try:  # a Ray that cannot start ends the parent run FAILED, not RUNNING
+        if todo:
+            with ray_for(suite.runs[0].config.engine):
+                _execute(suite, todo, parent.run_id, keep_checkpoints, done)
     except BaseException as exc:
         parent.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         bar.close()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
 
     rows = [s[0] for s in slots if s is not None]
     histories: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))

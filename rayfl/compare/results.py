@@ -127,13 +127,6 @@ def curves_and_spread(
     return means, stds
 
 
-def mean_curves(
-    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], key: str
-) -> dict[str, list[tuple[int, float]]]:
-    """Per label, the mean over seeds of `key` at each round where any seed has it."""
-    return curves_and_spread(histories, key)[0]
-
-
 def _pm(agg: Mapping[str, Any], key: str, fmt: str = "{:.4f}") -> str:
     """`mean ± std` over seeds, or the plain value when only one seed ran."""
     mean = agg.get(mean_col(key))

@@ -17,9 +17,7 @@ from pathlib import Path
 from rayfl import gate
 from rayfl.errors import UserError
 from rayfl.report.page import is_file, run_links
-from rayfl.report.run import run_report
-from rayfl.report.suite import suite_report
-from rayfl.report.sweep import sweep_report
+from rayfl.report.pages import run_report, suite_report, sweep_report
 
 __all__ = ["run_links", "write_report"]
 

@@ -1,4 +1,4 @@
-"""The tracker protocol every experiment sink implements, and the console and null trackers.
+"""The tracker every experiment sink derives from, and the console and null trackers.
 
 Modelled on torchtune's ``metric_logging``: a handful of methods (config, metrics per step,
 artifacts, tags, close) so MLflow, the console and "nothing" are interchangeable and the engine
@@ -15,19 +15,18 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import yaml
 
 BACKENDS = ("mlflow", "stdout", "none")
 STATUSES = ("FINISHED", "FAILED", "KILLED")
 
-_T = TypeVar("_T", bound="TrackerBase")
+_T = TypeVar("_T", bound="Tracker")
 logger = logging.getLogger("rayfl.tracking.stdout")
 
 
-@runtime_checkable
-class Tracker(Protocol):
+class Tracker:
     """A sink for one run's config, per-round metrics (keys like ``personal/acc/arch=cnn1``),
     files and string tags. ``log_*`` never raise because the sink failed (a tracking server
     outage must not end a simulation); they warn instead. ``close`` takes FINISHED, FAILED or
@@ -37,24 +36,10 @@ class Tracker(Protocol):
     ``log_missing(rows)``, which a resumed run calls with the ``(step, metrics)`` of the rounds
     its checkpoint restored, so that a store keeping history (MLflow) gets the ones it missed.
     ``run_id`` is the backend's id for the run (MLflow run id), or None.
+
+    The base class keeps nothing and is every tracker's context manager: the run is closed
+    FINISHED on normal exit, KILLED on Ctrl-C and FAILED on any other error.
     """
-
-    run_id: str | None
-
-    def log_config(self, config: Mapping[str, Any]) -> None: ...
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def log_artifact(self, path: str | Path) -> None: ...
-
-    def set_tags(self, tags: Mapping[str, str]) -> None: ...
-
-    def close(self, status: str = "FINISHED") -> None: ...
-
-
-class TrackerBase:
-    """A tracker that keeps nothing, and the context manager of every tracker: the run is
-    closed FINISHED on normal exit, KILLED on Ctrl-C and FAILED on any other error."""
 
     run_id: str | None = None
 
@@ -88,11 +73,11 @@ class TrackerBase:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
 
 
-class NullTracker(TrackerBase):
+class NullTracker(Tracker):
     """``tracking.backend: none`` (tests, benchmarks): accepts every call, keeps nothing."""
 
 
-class StdoutTracker(TrackerBase):
+class StdoutTracker(Tracker):
     """``tracking.backend: stdout``: everything goes to ``logging`` at INFO (logger
     ``rayfl.tracking.stdout``); no files, no server."""
 
@@ -202,3 +187,13 @@ def default_tracking_uri() -> str:
     if uri:
         return uri
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def absolute_uri(uri: str | None) -> str:
+    """`uri` (default: `default_tracking_uri`) with a relative SQLite path made absolute: Tune
+    trials run in their own directories."""
+    uri = uri or default_tracking_uri()
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((Path.cwd() / uri[len(prefix) :]).resolve())
+    return uri

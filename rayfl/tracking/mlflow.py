@@ -32,7 +32,7 @@ from mlflow.exceptions import MlflowException
 from rayfl.errors import UserError
 from rayfl.gate import locked
 from rayfl.tracking.base import (
-    TrackerBase,
+    Tracker,
     check_status,
     default_tracking_uri,
     flatten_config,
@@ -100,7 +100,7 @@ def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
     return client, str(exp.experiment_id)
 
 
-class MlflowTracker(TrackerBase):
+class MlflowTracker(Tracker):
     """Tracker writing one MLflow run (params, stepped metrics, artifacts, tags), a child run of
     ``parent_run_id`` if given, or continuing ``run_id`` (a resumed simulation). A UserError when
     the store cannot be reached at the start."""

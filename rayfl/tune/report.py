@@ -11,7 +11,7 @@ import yaml
 
 from rayfl.gate import write as write_atomic
 from rayfl.schema import to_dict
-from rayfl.tables import text_table, write_table
+from rayfl.tables import text_table
 from rayfl.tune.sweep import TEST_METRIC, Sweep, _native, is_validation_metric
 
 
@@ -72,11 +72,6 @@ def best_row(rows: list[dict[str, Any]], metric: str, mode: str) -> dict[str, An
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
-
-
-def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
-    """The trials' rows as Parquet (`rayfl.tables`: a column mixing types is written as text)."""
-    return write_table(rows, path)[0]
 
 
 def write_best_config(result: SweepResult) -> Path:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,9 @@ import yaml
 
 from rayfl import gate
 from rayfl.errors import UserError
+from rayfl.schema import EngineConfig
+from rayfl.tables import write_table
+from rayfl.tracking.base import absolute_uri
 from rayfl.tune.report import (
     SweepResult,
     _collect,
@@ -22,7 +26,6 @@ from rayfl.tune.report import (
     format_results,
     reported,
     write_best_config,
-    write_results,
 )
 from rayfl.tune.state import check_tune_state, seal_tune_state, snapshots
 from rayfl.tune.sweep import Sweep, _probe_values, load_sweep, search_space
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class ParentRun:
-    """The MLflow parent run of a sweep or a suite, written through the `Tracker` protocol like
+    """The MLflow parent run of a sweep or a suite, written through a `Tracker` like
     every run (nothing with `tracking.backend=none`); its runs log child runs under it
     (`mlflow.parentRunId`). Its id is kept in `<out>/mlflow_run.json` (through the gate): with
     `reopen` the one recorded there is reopened, not duplicated, only in the store the config
@@ -52,7 +55,7 @@ class ParentRun:
         from rayfl.tracking import make_tracker
 
         mlflow = tracking.backend == "mlflow"
-        self.uri = _absolute_uri(tracking.uri) if mlflow else None
+        self.uri = absolute_uri(tracking.uri) if mlflow else None
         previous = read_mlflow_run(out) if mlflow and reopen else None
         if previous is not None and previous.get("tracking_uri") != self.uri:
             previous = None
@@ -92,15 +95,37 @@ class ParentRun:
         self.tracker.close(status)
 
 
-def _absolute_uri(uri: str | None) -> str:
-    """Trials run in their own directories: a relative SQLite path must become absolute."""
-    from rayfl.tracking.base import default_tracking_uri
+@contextlib.contextmanager
+def held(out: Path) -> Iterator[None]:
+    """The folder of a suite or a sweep, held by this process: another `rayfl compare` or
+    `rayfl tune` on it is refused in one line."""
+    lock = gate.Folder(out, create=True)
+    if not lock.lock():
+        raise UserError(
+            f"{out} is in use by another rayfl compare or tune (pid {lock.owner()}); "
+            "wait for it to finish or choose another --out"
+        )
+    try:
+        yield
+    finally:
+        lock.unlock()
+        lock.close()
 
-    uri = uri or default_tracking_uri()
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str((Path.cwd() / uri[len(prefix) :]).resolve())
-    return uri
+
+@contextlib.contextmanager
+def ray_for(engine: EngineConfig) -> Iterator[None]:
+    """Ray for many runs: the one already initialized, else `engine.address`, else a private
+    local Ray shut down at the end."""
+    import ray
+
+    from rayfl.engine.startup import init_ray
+
+    started = init_ray(engine.address, engine.ray_num_cpus)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def run_sweep(
@@ -119,8 +144,6 @@ def sweep_and_report(
     """`run_sweep`, also returning the structured result."""
     import ray
 
-    from rayfl.engine.startup import init_ray
-
     sweep = load_sweep(path, overrides)
     default = Path("runs") / "sweeps" / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(out if out is not None else default).expanduser().resolve()
@@ -130,12 +153,9 @@ def sweep_and_report(
         state = {}
     check_folder(sweep, out_dir)
     e = sweep.config.engine
-    started = init_ray(e.address, e.ray_num_cpus)
-    try:
-        result = _run(sweep, out_dir, state, strict_fit=started and not e.address)
-    finally:
-        if started:
-            ray.shutdown()
+    private = not ray.is_initialized() and not e.address
+    with held(out_dir), ray_for(e):
+        result = _run(sweep, out_dir, state, strict_fit=private)
     return result, format_results(result)
 
 
@@ -173,7 +193,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         )
     _check_fits(sweep, strict=strict_fit)
     if sweep.config.tracking.backend == "mlflow":
-        _warn_sqlite_on_cluster(_absolute_uri(sweep.config.tracking.uri))
+        _warn_sqlite_on_cluster(absolute_uri(sweep.config.tracking.uri))
     # Created here, once: trials creating a fresh SQLite store at once crash in its migration.
     parent = ParentRun(
         out,
@@ -251,7 +271,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
         result.parent_run_id, result.tracking_uri = parent.run_id, parent.uri
         if not result.rows:
             raise UserError(f"sweep {sweep.name} ran no trials; check space and tune.num_samples")
-        write_results(result.rows, out / "results.parquet")
+        write_table(result.rows, out / "results.parquet")  # mixed-type columns as text
         if result.best is None:
             first = next((r["error"] for r in rows if r["error"]), "no trial reported the metric")
             raise UserError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from rayfl.config import (
     resolve_base_file,
     set_dotted,
 )
-from rayfl.errors import ConfigError, require, suggest
+from rayfl.errors import ConfigError, check_name, require, suggest
 from rayfl.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -195,10 +194,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
                 f"{path}: unknown key {key}{suggest(str(key), SWEEP_KEYS)}; valid keys: {', '.join(SWEEP_KEYS)}"
             )
     name = doc.get("sweep")
-    if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
-        raise ConfigError(
-            f"{path}: sweep: give the sweep a name of letters, digits, _ . - (got {name!r})"
-        )
+    check_name(name, f"{path}: sweep")
+    assert isinstance(name, str)
     tune_ov, space_ov, base_ov = split_overrides(overrides)
 
     tune_raw = apply_overrides(dict(doc.get("tune") or {}), tune_ov)

@@ -1,9 +1,17 @@
-"""One trial: its experiment, its placement-group bundles, and Tune's function trainable that
-runs one simulation and reports every evaluated round."""
+"""Tune trials: one trial's experiment, its placement-group bundles and Tune's function trainable
+that runs one simulation and reports every evaluated round; and a fixed grid of runs (a suite's
+runs `parallel` at a time), one trial per run, each in a placement group sized like a sweep's
+trial within its share of the cluster, so runs never hold half of what they need and a run's
+numbers do not depend on how many run at once. A grid's resuming is the runs' own (run folders
+and checkpoints), so its Tune state lives in a temporary folder and is never restored."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,14 +20,10 @@ from typing import Any
 from rayfl.engine.callbacks import Callback
 from rayfl.errors import ConfigError, UserError, suggest
 from rayfl.schema import RunConfig
+from rayfl.tracking.base import absolute_uri
 from rayfl.tune.sweep import Sweep
 
 log = logging.getLogger(__name__)
-
-
-def trial_workers(cfg: RunConfig, room: Mapping[str, float] | None = None) -> int:
-    """Worker actors of one trial with engine.executor=ray (see `trial_shapes`)."""
-    return len(trial_shapes(cfg, room))
 
 
 def trial_shapes(cfg: RunConfig, room: Mapping[str, float] | None = None) -> list[Any]:
@@ -133,7 +137,7 @@ def trial_config(job: TrialJob, values: Mapping[str, Any], trial_name: str) -> R
     if cfg.engine.executor == "ray":
         # The worker count must match the bundles reserved for this trial; the trial joins the
         # running Ray (engine.address is ignored once Ray is initialized).
-        extra["engine.num_workers"] = trial_workers(cfg)
+        extra["engine.num_workers"] = len(trial_shapes(cfg))
     return job.sweep.config_for({**values, **extra})
 
 
@@ -206,3 +210,122 @@ def replay(run_dir: Path, metric: str, report: Callable[[dict[str, Any]], None])
         if row.get(metric) is not None:
             report({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
     return got is not None
+
+
+DRIVER_CPUS = 0.01  # a run's own process (with engine.executor=ray it waits on its workers)
+Stopped = None  # what `run_grid` returns for a run Ctrl-C stopped before it ended
+
+
+def pinned(cfg: RunConfig) -> RunConfig:
+    """`cfg` made independent of the working directory (a Tune trial runs in its own): the data
+    root and the MLflow store as absolute paths."""
+    data = dataclasses.replace(
+        cfg.data, root=cfg.data.root and str(Path(cfg.data.root).expanduser().absolute())
+    )
+    tracking = cfg.tracking
+    if tracking.backend == "mlflow":
+        tracking = dataclasses.replace(tracking, uri=absolute_uri(tracking.uri))
+    return dataclasses.replace(cfg, data=data, tracking=tracking)
+
+
+def run_grid(
+    name: str,
+    configs: Mapping[int, RunConfig],
+    parallel: int,
+    fn: Callable[..., dict[str, Any]],
+    on_result: Callable[[int, dict[str, Any]], None] | None = None,
+    **params: Any,
+) -> dict[int, dict[str, Any] | BaseException | None]:
+    """Run `fn(cfg, index, **params)` for every `index -> cfg` of `configs`, `parallel` at a
+    time, each as a Tune trial in the placement group of its run; `fn` returns a JSON-able
+    dict, handed to `on_result(index, returned)` on this process as the trial ends. Returns per
+    index what `fn` returned, the error of a trial that died, or `Stopped`."""
+    import ray
+    from ray import tune
+
+    total = ray.cluster_resources()
+    # a run's share of the cluster, less its own process's bundle (its workers fill the rest)
+    room = {k: total.get(k, 0.0) / parallel for k in ("CPU", "GPU")}
+    room["CPU"] -= DRIVER_CPUS
+    jobs: dict[int, RunConfig] = {}
+    bundles: dict[int, list[dict[str, float]]] = {}
+    for index, cfg in configs.items():
+        if cfg.engine.executor == "ray":  # as many workers as its bundles hold
+            engine = dataclasses.replace(cfg.engine, num_workers=len(trial_shapes(cfg, room)))
+            cfg = dataclasses.replace(cfg, engine=engine)
+        jobs[index] = pinned(cfg)
+        bundles[index] = trial_bundles(cfg, DRIVER_CPUS, room)
+    storage = tempfile.mkdtemp(prefix="rayfl-grid-")
+    # Tune's own notes (a Ctrl-C's "resume with Tuner.restore(...)") name this temporary
+    # folder: the runs resume from their own folders instead
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    tune_log.setLevel(logging.ERROR)
+    try:
+        grid: Any = tune.Tuner(
+            tune.with_resources(
+                tune.with_parameters(_trial, jobs=jobs, fn=fn, params=params),
+                resources=lambda config: tune.PlacementGroupFactory(bundles[config["run"]]),
+            ),
+            param_space={"run": tune.grid_search(list(jobs))},
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=parallel, trial_dirname_creator=_dirname
+            ),
+            run_config=tune.RunConfig(
+                name=name, storage_path=storage, verbose=0, callbacks=[_handing(on_result)]
+            ),
+        ).fit()
+    finally:
+        tune_log.setLevel(level)
+        shutil.rmtree(storage, ignore_errors=True)
+    out: dict[int, dict[str, Any] | BaseException | None] = {}
+    for result in grid:  # (a trial that died before it reported has no config: its folder)
+        index = int(Path(result.path).name.removeprefix("run"))
+        reported = (result.metrics or {}).get("returned")
+        out[index] = json.loads(reported) if reported else trial_error(result.error)
+    return out
+
+
+def _dirname(trial: Any) -> str:
+    return f"run{trial.config['run']}"
+
+
+def trial_error(error: BaseException | None) -> BaseException | None:
+    """A dead trial's error as one line: the last of Ray's traceback (the run's own error,
+    e.g. `ModuleNotFoundError: No module named 'rayfl'` from a worker that cannot import it)."""
+    if error is None:
+        return None
+    text = str(error).strip()
+    return RuntimeError(
+        f"its Ray Tune trial died: {text.splitlines()[-1] if text else repr(error)}"
+    )
+
+
+def _trial(
+    config: dict[str, Any], jobs: dict[int, RunConfig], fn: Callable[..., Any], params: Any
+) -> None:
+    from ray import tune
+
+    index = config["run"]
+    tune.report({"returned": json.dumps(fn(jobs[index], index, **params))})
+
+
+def _handing(on_result: Callable[[int, dict[str, Any]], None] | None) -> Any:
+    """A Tune callback that hands each trial's returned dict to `on_result` as it ends (Tune
+    keeps a copy of its callbacks in `tuner.pkl`: the copy does nothing)."""
+    from ray.tune import Callback
+
+    class Handing(Callback):  # type: ignore[misc]
+        def __init__(self, on_result: Any) -> None:
+            self.on_result = on_result
+
+        def __reduce__(self) -> Any:
+            return (Handing, (None,))
+
+        def on_trial_result(
+            self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any
+        ) -> None:
+            if self.on_result is not None and "returned" in result:
+                self.on_result(int(trial.config["run"]), json.loads(result["returned"]))
+
+    return Handing(on_result)

@@ -228,7 +228,7 @@ def test_dirichlet_with_rotation_domains_gives_ray_the_serial_numbers(ray_local,
 @pytest.mark.slow
 @pytest.mark.ray  # an end-to-end run
 def test_the_run_report_and_the_suite_table_show_accuracy_per_domain(tmp_path):
-    from rayfl.compare import DOMAIN_PREFIX, arch_rows, mean_col
+    from rayfl.compare.results import DOMAIN_PREFIX, arch_rows, mean_col
     from rayfl.launch import simulate
     from rayfl.report import write_report
 
