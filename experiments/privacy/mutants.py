@@ -35,8 +35,8 @@ MUTANTS = {
     ),
     "noise std z instead of z * clip": (
         HOOK,
-        "return dp.gaussian_noise(size, d.noise_multiplier * d.clip,",
-        "return dp.gaussian_noise(size, d.noise_multiplier,",
+        "size, d.noise_multiplier * d.clip, [*key,",
+        "size, d.noise_multiplier, [*key,",
     ),
     "clipping the payload instead of the update": (
         HOOK,
