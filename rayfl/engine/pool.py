@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -40,6 +40,7 @@ class WorkerPool:
     shapes: list[Resources]
     shape_of: list[Resources]
     server_options: dict[str, Any]  # where the server actor goes (`pinned`)
+    placements: dict[int, int] = field(default_factory=dict)  # client -> worker that last ran it
 
     def dispatch(
         self,
@@ -71,6 +72,7 @@ class WorkerPool:
                 while free and queue:
                     index, batch = free.popleft(), queue.popleft()
                     handle = submit(self.actors[index], batch, [states.get(c) for c in batch])
+                    self.placements.update(dict.fromkeys(batch, index))
                     ref = handle[0] if isinstance(handle, list) else handle
                     running[ref] = (index, batch, handle)
             if not running:

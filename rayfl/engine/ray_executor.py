@@ -66,6 +66,7 @@ class RayExecutor(Executor):
         super().__init__(spec)
         e = spec.engine
         self.workers: list[Any] = []
+        self.placements: dict[int, int] = {}  # client -> the worker that last ran it
         self.server: Any = None
         self.local: ServerRunner | None = None  # the server half, when it runs in the driver
         self.evaluator: Any = None
@@ -80,7 +81,7 @@ class RayExecutor(Executor):
         try:
             with clock.phase("actors_launch"):
                 self.pool = start_workers(e, spec.per_round, spec.archs)
-                self.workers = self.pool.actors
+                self.workers, self.placements = self.pool.actors, self.pool.placements
                 res, where = e.server_resources, self.pool.server_options
                 self._server_cls: Any = ray.remote(ServerActor).options(
                     num_cpus=res.num_cpus, num_gpus=res.num_gpus, **where
