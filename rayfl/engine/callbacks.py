@@ -9,11 +9,11 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
 import torch
 import yaml
 
@@ -175,7 +175,7 @@ def versions() -> dict[str, str]:
         "rayfl": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "ray": ray.__version__,
+        "ray": metadata.version("ray"),  # read without importing Ray (`rayfl validate`)
         "numpy": np.__version__,
     }
 
