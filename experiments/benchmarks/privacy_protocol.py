@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rayfl.algorithms.base import Reply, payload_nbytes
+from rayfl.algorithms.base import Reply
+from rayfl.algorithms.functional import payload_nbytes
 from rayfl.privacy import dp
 from rayfl.privacy.hook import PrivacyHook
 from rayfl.schema import DPConfig, PrivacyConfig, SecAggConfig

@@ -12,7 +12,6 @@ zero-copy, and their byte size is the communication cost.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayfl.algorithms.functional import (  # the payload helpers, exported here too
+    load_numpy,
+    to_numpy,
+    unprefixed,
+)
 from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.models.base import SplitModel
@@ -388,44 +392,6 @@ def _literal(tp: Any) -> tuple[str, ...]:
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 
 
-@functools.lru_cache(maxsize=64)
-def arch_sizes(arch: str, in_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
-    """`(parameters, feature size)` of architecture `arch`. Building it draws nothing from the
-    caller's random stream (a cache hit would not), so asking never changes a run's numbers."""
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(arch, in_shape, num_classes)
-    return sum(p.numel() for p in model.parameters()), model.feature_dim
-
-
 def reply_weights(replies: Sequence[Reply], weighting: str) -> list[float]:
     """Aggregation weights of the replies: 1 each (`uniform`) or their training samples."""
     return [1.0 if weighting == "uniform" else float(r.num_samples) for r in replies]
-
-
-def to_numpy(state: Mapping[str, torch.Tensor]) -> Payload:
-    """A torch state dict as detached CPU numpy arrays (the travelling format)."""
-    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
-
-
-def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
-    """Load a numpy state dict (possibly read-only, zero-copy from Ray) into `module` in place."""
-    module.load_state_dict(
-        {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict
-    )
-
-
-def unprefixed(payload: Mapping[str, np.ndarray], prefix: str) -> Payload:
-    """Copies of the entries of `payload` whose key starts with `prefix`, the prefix dropped
-    (one of several states travelling in one payload)."""
-    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
-
-
-def payload_nbytes(payload: Mapping[str, Any]) -> int:
-    """Bytes on the wire of a payload (numpy arrays, nested dicts of them)."""
-    total = 0
-    for v in payload.values():
-        if isinstance(v, np.ndarray):
-            total += v.nbytes
-        elif isinstance(v, Mapping):
-            total += payload_nbytes(v)
-    return total

@@ -63,8 +63,8 @@ from rayfl.algorithms.base import (
     Server,
     ServerContext,
     Trainer,
-    arch_sizes,
 )
+from rayfl.algorithms.functional import arch_sizes
 from rayfl.errors import require
 from rayfl.models import SplitModel
 from rayfl.schema import setting

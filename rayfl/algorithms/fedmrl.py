@@ -50,11 +50,11 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     Trainer,
-    arch_sizes,
     load_numpy,
     to_numpy,
 )
 from rayfl.algorithms.fml import check_shared_arch, shared_arch
+from rayfl.algorithms.functional import arch_sizes
 from rayfl.errors import require
 from rayfl.models import SplitModel, build_model
 from rayfl.schema import setting

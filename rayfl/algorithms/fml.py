@@ -53,11 +53,11 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     Trainer,
-    arch_sizes,
     load_numpy,
     reply_weights,
     to_numpy,
 )
+from rayfl.algorithms.functional import arch_sizes
 from rayfl.errors import require
 from rayfl.models import build_model
 from rayfl.models.base import MODELS

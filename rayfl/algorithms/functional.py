@@ -1,16 +1,22 @@
 """Pure helpers shared by algorithms: averaging, weight caps, update clipping, EMA, KD losses,
-truncated-SVD compression of updates.
+truncated-SVD compression of updates; the payload helpers (numpy state dicts to and from
+modules, their byte size, an architecture's size).
 
 All take and return plain numpy state dicts or tensors, so each has a golden-number test.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from rayfl.models import build_model
 
 State = Mapping[str, np.ndarray]
 
@@ -197,3 +203,41 @@ def grouped_average(
         g: weighted_average([states[i] for i in idx], [weights[i] for i in idx])
         for g, idx in members.items()
     }
+
+
+@functools.lru_cache(maxsize=64)
+def arch_sizes(arch: str, in_shape: tuple[int, ...], num_classes: int) -> tuple[int, int]:
+    """`(parameters, feature size)` of architecture `arch`. Building it draws nothing from the
+    caller's random stream (a cache hit would not), so asking never changes a run's numbers."""
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(arch, in_shape, num_classes)
+    return sum(p.numel() for p in model.parameters()), model.feature_dim
+
+
+def to_numpy(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A torch state dict as detached CPU numpy arrays (the travelling format)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def load_numpy(module: nn.Module, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
+    """Load a numpy state dict (possibly read-only, zero-copy from Ray) into `module` in place."""
+    module.load_state_dict(
+        {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=strict
+    )
+
+
+def unprefixed(payload: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Copies of the entries of `payload` whose key starts with `prefix`, the prefix dropped
+    (one of several states travelling in one payload)."""
+    return {k[len(prefix) :]: np.array(v) for k, v in payload.items() if k.startswith(prefix)}
+
+
+def payload_nbytes(payload: Mapping[str, Any]) -> int:
+    """Bytes on the wire of a payload (numpy arrays, nested dicts of them)."""
+    total = 0
+    for v in payload.values():
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif isinstance(v, Mapping):
+            total += payload_nbytes(v)
+    return total

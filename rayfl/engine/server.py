@@ -17,7 +17,8 @@ import ray
 import torch
 from torch import nn
 
-from rayfl.algorithms.base import Batch, Payload, Reply, payload_nbytes
+from rayfl.algorithms.base import Batch, Payload, Reply
+from rayfl.algorithms.functional import payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import (
     RunSpec,

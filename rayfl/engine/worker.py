@@ -18,7 +18,8 @@ import ray
 import torch
 
 from rayfl.algorithms import ALGORITHMS
-from rayfl.algorithms.base import Client, Payload, Reply, payload_nbytes
+from rayfl.algorithms.base import Client, Payload, Reply
+from rayfl.algorithms.functional import payload_nbytes
 from rayfl.data.federated import Federation
 from rayfl.engine.spec import (
     RunSpec,

@@ -13,7 +13,6 @@ from rayfl.algorithms.base import (
     RoundContext,
     ServerContext,
     TrainConfig,
-    payload_nbytes,
 )
 from rayfl.algorithms.fedkd import (
     FedKDClient,
@@ -21,7 +20,7 @@ from rayfl.algorithms.fedkd import (
     FedKDServer,
     adaptive_losses,
 )
-from rayfl.algorithms.functional import energy_rank, svd_compress, svd_decompress
+from rayfl.algorithms.functional import energy_rank, payload_nbytes, svd_compress, svd_decompress
 from rayfl.errors import ConfigError
 
 RND = RoundContext(1, 2)  # round 1 of 2
