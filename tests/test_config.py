@@ -136,8 +136,8 @@ def test_missing_file_is_a_user_error(tmp_path):
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args, needle):
-    # `rayfl run` starts Ray (in a thread) before it checks the config: the error must still be
-    # one line, and none of the Ray processes it started may outlive the command.
+    # The error is one line, and no Ray process outlives the command (a config error must stop
+    # `rayfl run` before it starts Ray, or take down what it started).
     ray_tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")  # short: Ray's socket paths live there
     try:
         proc = subprocess.run(

@@ -1,5 +1,5 @@
 """`rayfl validate` makes every resource check that needs no Ray, so that `rayfl run` never stops
-on one after Ray started (issue 24, item 7): against a cluster launcher file at its maximum size
+on one after Ray started: against a cluster launcher file at its maximum size
 (`--cluster`), against `engine.ray_num_cpus`, and, for a local run, against this machine (a GPU
 asked of a machine without one: a warning from validate, a refusal from run before Ray starts).
 """

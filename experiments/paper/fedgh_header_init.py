@@ -1,4 +1,4 @@
-"""FedGH's gap to HtFLlib (issue 28): does the server header's initialisation matter?
+"""FedGH's gap to HtFLlib: does the server header's initialisation matter?
 
 HtFLlib's FedGH server starts its global header from client 0's initial head
 (`servergh.py`: `load_item(self.clients[0].role, 'model').head`) and sends it before the first
