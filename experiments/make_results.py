@@ -6,15 +6,9 @@
 Sources, each a small file in docs/results/:
 - `privacy/section.md`: included verbatim, right after the introduction (written by the privacy
   measurements, not by this script);
-- `headline.json`: the README's main job (`experiments/pfedes_fmnist.yaml`) over seeds, each
-  seed's final metrics read from its run directory, with the command and commit:
-
-      python3 experiments/make_results.py --headline runs/main_s0 runs/main_s1 runs/main_s2 \
-          --set "command=rayfl run experiments/pfedes_fmnist.yaml seed=S --out runs/main_sS" \
-          --set "commit=$(git rev-parse --short HEAD)"
-
 - `plan/<table>/<part>.json`: the tables of `experiments/results_plan.yaml`, one file per
   finished part (one setting and seed), written by `python3 experiments/results_plan.py run`;
+  the README's headline (the main job with both controls, over seeds) is the first of them;
 - `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies.
 
 Every table shows mean ± sample std over seeds and, where a suite compares methods, the paired
@@ -99,8 +93,7 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist() if path.is_file() else []
 
 
-HEADLINE = RESULTS / "headline.json"
-HEADLINE_KEYS = (
+CONTROLLED_KEYS = (
     "personal/acc",
     "baseline/local_acc",
     "baseline/control_acc",
@@ -110,31 +103,9 @@ HEADLINE_KEYS = (
 )
 
 
-CONTROLS = RESULTS / "controls"  # other settings run with both controls, one file each
-
-
-def collect_headline(
-    run_dirs: Sequence[Path], description: Mapping[str, Any], into: Path = HEADLINE
-) -> dict[str, Any]:
-    """A controlled run's finished seeds (the main job's, or another config run with both
-    controls): each run directory's seed, rounds and final metrics, merged into `into`."""
-    old = json.loads(into.read_text()) if into.is_file() else {}
-    runs = {r["seed"]: r for r in old.get("runs", [])}
-    for run_dir in run_dirs:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        final = summary.get("final", {})
-        runs[int(summary["seed"])] = {
-            "seed": int(summary["seed"]),
-            "status": summary.get("status"),
-            "rounds": summary.get("rounds"),
-            "metrics": {k: final[k] for k in HEADLINE_KEYS if final.get(k) is not None},
-        }
-    return {**old, **description, "runs": [runs[k] for k in sorted(runs)]}
-
-
-def headline_section(data: Mapping[str, Any]) -> list[str]:
-    """The README's headline: the main job's gain over local training and over its
-    no-federation control, per seed and as mean ± sample std."""
+def controlled_section(data: Mapping[str, Any]) -> list[str]:
+    """A run with both controls over seeds (the README's headline is one): its gain over local
+    training and over its no-federation control, per seed and as mean ± sample std."""
     runs = data.get("runs", [])
     out = [f"## {data.get('title', 'The main job')}", ""]
     if data.get("note"):
@@ -153,19 +124,16 @@ def headline_section(data: Mapping[str, Any]) -> list[str]:
     header = ["seed", "status", "personal acc", "local", "control", "gain over local (pts)"]
     header += ["federated gain (pts)", "proxy acc"]
     body = [
-        [str(r["seed"]), str(r.get("status")), *(cell(r, k) for k in HEADLINE_KEYS[:3])]
-        + [cell(r, k) for k in HEADLINE_KEYS[3:]]
-        for r in runs
+        [str(r["seed"]), str(r.get("status")), *(cell(r, k) for k in CONTROLLED_KEYS)] for r in runs
     ]
 
-    def over(key: str) -> list[float]:
-        return [r["metrics"][key] / 100 for r in runs if r["metrics"].get(key) is not None]
+    def over(key: str) -> str:
+        values = [r["metrics"][key] for r in runs if r["metrics"].get(key) is not None]
+        if "points" in key:
+            return pm([v / 100 for v in values], signed=True)
+        return pm(values)
 
-    body.append(
-        ["mean ± std", f"{len(runs)} seeds", "", "", ""]
-        + [pm(over("baseline/gain_points"), signed=True)]
-        + [pm(over("baseline/federated_gain_points"), signed=True), ""]
-    )
+    body.append(["mean ± std", f"{len(runs)} seeds", *(over(k) for k in CONTROLLED_KEYS)])
     return out + md_table(header, body)
 
 
@@ -293,6 +261,21 @@ def plan_section(table: Any) -> list[str]:
     return out
 
 
+def controlled_plan_data(table: Any) -> dict[str, Any]:
+    """A `render: controlled` table's parts in the shape `controlled_section` reads."""
+    data = devices_plan_data(table)
+    data["note"] += " Protocol: " + table.spec["protocol"].strip()
+    data["runs"] = [
+        {
+            "seed": r["seed"],
+            "status": "FINISHED",
+            "metrics": {k: r["final"][k] for k in CONTROLLED_KEYS if k in r["final"]},
+        }
+        for r in sorted(data["runs"], key=lambda r: r["seed"])
+    ]
+    return data
+
+
 def devices_plan_data(table: Any) -> dict[str, Any]:
     """The device-tier table's parts in the shape `devices_section` reads."""
     parts, runs = plan_runs(table)
@@ -320,7 +303,7 @@ def fedgh_section(data: Mapping[str, Any]) -> list[str]:
     out = [
         "## FedGH header initialisation",
         "",
-        "Does FedGH's server header start matter (issue 28's 1.8-2.3 point gap to HtFLlib)? "
+        "Does FedGH's server header start explain its 1.8-2.3 point gap to HtFLlib? "
         "`fresh`: rayfl's header built from the server's seed; `client0`: HtFLlib's, client 0's "
         "initial head. Same partitions per seed; docs/algorithms.md has the reading of the code.",
         "",
@@ -351,11 +334,10 @@ def page() -> str:
     privacy = RESULTS / "privacy" / "section.md"
     if privacy.is_file():  # headed by the introduction
         out += [privacy.read_text().rstrip("\n"), ""]
-    for path in [HEADLINE, *sorted(CONTROLS.glob("*.json"))]:
-        if path.is_file():
-            out += headline_section(json.loads(path.read_text()))
     for table in load_plan():
-        if table.spec.get("render") == "devices":
+        if table.spec.get("render") == "controlled":
+            out += controlled_section(controlled_plan_data(table))
+        elif table.spec.get("render") == "devices":
             out += devices_section(devices_plan_data(table))
         else:
             out += plan_section(table)
@@ -375,29 +357,7 @@ def page() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="regenerate docs/results.md from docs/results/")
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md is stale")
-    ap.add_argument(
-        "--into",
-        type=Path,
-        help="with --headline: a docs/results/controls/*.json instead of headline.json",
-    )
-    ap.add_argument(
-        "--headline", type=Path, nargs="+", help="the main job's run directories (one per seed)"
-    )
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a description field (title, command, commit, ...)",
-    )
     args = ap.parse_args(argv)
-    if args.headline:
-        fields = dict(s.split("=", 1) for s in args.set)
-        into = args.into or HEADLINE
-        data = collect_headline(args.headline, fields, into)
-        into.parent.mkdir(parents=True, exist_ok=True)
-        into.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        return 0
     text = page()
     if args.check:
         stale = not PAGE.is_file() or PAGE.read_text() != text

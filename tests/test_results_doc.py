@@ -100,6 +100,38 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
     assert "| m | 2 | 87.0 ± 2.8 | +2.0 ± 0.7 | +2.0 ± 4.2 (2) | +5.0, -1.0 |" in text
 
 
+def test_a_controlled_table_shows_each_seeds_gains_and_their_mean(make_results, tmp_path):
+    import results_plan
+
+    spec = {"title": "C", "render": "controlled", "suite": "s.yaml", "rounds": 2}
+    spec |= {"seeds": [0, 1], "what": "w", "protocol": "p", "round_s": {"m": 1}}
+    table = results_plan.Table("c", spec)
+    original = results_plan.RESULTS
+    results_plan.RESULTS = tmp_path
+    try:
+        (tmp_path / "c").mkdir()
+        for seed, acc, local, control in [(1, 0.84, 0.83, 0.80), (0, 0.80, 0.81, 0.78)]:
+            final = {"personal/acc": acc, "baseline/local_acc": local}
+            final |= {"baseline/control_acc": control}
+            final |= {"baseline/gain_points": 100 * (acc - local)}
+            final |= {"baseline/federated_gain_points": 100 * (acc - control)}
+            run = {"label": "m", "seed": seed, "setting": "", "final": final, "history": []}
+            part = {"commit": "abc1234", "command": "rayfl compare s.yaml", "runs": [run]}
+            (tmp_path / "c" / f"s{seed}.json").write_text(json.dumps(part))
+        text = "\n".join(make_results.controlled_section(make_results.controlled_plan_data(table)))
+    finally:
+        results_plan.RESULTS = original
+    assert text.startswith("## C\n") and "commit `abc1234`" in text
+    # seeds in order; gains over local -1.0 and +1.0 (mean 0.0, std 1.4), over the control +2.0
+    # and +4.0 (mean +3.0, std 1.4); no proxy accuracy recorded
+    assert "| 0 | FINISHED | 80.0 | 81.0 | 78.0 | -1.00 | +2.00 | – |" in text
+    assert "| 1 | FINISHED | 84.0 | 83.0 | 80.0 | +1.00 | +4.00 | – |" in text
+    assert (
+        "| mean ± std | 2 seeds | 82.0 ± 2.8 | 82.0 ± 1.4 | 79.0 ± 1.4 | +0.0 ± 1.4 | +3.0 ± 1.4 | – |"
+        in text
+    )
+
+
 def test_a_table_with_method_groups_splits_each_setting_and_seed_into_group_parts():
     import results_plan
 
