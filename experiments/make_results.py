@@ -9,7 +9,6 @@ Sources, each a small file in docs/results/:
 - `plan/<table>/<part>.json`: the tables of `experiments/results_plan.yaml`, one file per
   finished part (one setting and seed), written by `python3 experiments/results_plan.py run`;
   the README's headline (the main job with both controls, over seeds) is the first of them;
-- `fedgh_header_init.json`: `experiments/paper/fedgh_header_init.py`'s per-round accuracies.
 
 Every table shows mean ± sample std over seeds and, where a suite compares methods, the paired
 difference (per seed, same partition) to the best baseline. Nothing here reads a clock: the same
@@ -219,7 +218,7 @@ def plan_section(table: Any) -> list[str]:
         f"{', '.join(map(str, table.seeds()))}; metric `{spec['metric']}`.",
         f"- Parts done: {len(parts)} of {len(table.parts())}"
         + (f" (missing: {', '.join(missing)})" if missing else "")
-        + f"; a part is up to ~{table.max_part_cost_s() / 3600:.1f} core-hours (estimate from "
+        + f"; a part is up to ~{table.max_part_cost_s() / 3600:.2f} core-hours (estimate from "
         "measured seconds per round).",
         f"- Code: commit{'s' if len(commits) > 1 else ''} "
         f"{', '.join(f'`{c}`' for c in commits) or '–'}.",
@@ -258,7 +257,36 @@ def plan_section(table: Any) -> list[str]:
         out += [f"**{setting}**", ""] if setting else []
         header = ["method", "seeds", metric, *headers, f"paired Δ vs {best} (seeds)", "per seed"]
         out += md_table(header, body)
+        if spec.get("per_round"):
+            out += ["", f"Per round, `{metric}` (%) and the paired Δ to {best}:", ""]
+            out += per_round_table(group, metric, spec["baselines"])
     return out
+
+
+def per_round_table(
+    runs: Sequence[Mapping[str, Any]], metric: str, baselines: Sequence[str]
+) -> list[str]:
+    """`metric` round by round from the runs' histories: the best baseline's mean ± std, then
+    each other method's paired difference to it (mean ± std and per seed)."""
+    rounds = sorted({int(h["round"]) for r in runs for h in r["history"] if metric in h})
+    body, header = [], ["round"]
+    for n in rounds:
+        by_label: dict[str, dict[int, float]] = {}
+        for r in runs:
+            for h in r["history"]:
+                if int(h["round"]) == n and metric in h:
+                    by_label.setdefault(r["label"], {})[r["seed"]] = h[metric]
+        best, paired = paired_rows(by_label, baselines)
+        if best is None:
+            continue
+        if len(header) == 1:
+            header += [best] + [
+                f"{row[0]}: paired Δ{part}" for row in paired for part in ("", " per seed")
+            ]
+        body.append(
+            [str(n), pm(list(by_label[best].values()))] + [c for row in paired for c in row[1:]]
+        )
+    return md_table(header, body)
 
 
 def controlled_plan_data(table: Any) -> dict[str, Any]:
@@ -295,39 +323,6 @@ def devices_plan_data(table: Any) -> dict[str, Any]:
     }
 
 
-def fedgh_section(data: Mapping[str, Any]) -> list[str]:
-    cfg = data["config"]
-    acc = data["acc"]  # init -> seed -> per-round accuracies
-    seeds = sorted(set(acc.get("fresh", {})) & set(acc.get("client0", {})))
-    rounds = min(len(acc[i][s]) for i in acc for s in seeds) if seeds else 0
-    out = [
-        "## FedGH header initialisation",
-        "",
-        "Does FedGH's server header start explain its 1.8-2.3 point gap to HtFLlib? "
-        "`fresh`: rayfl's header built from the server's seed; `client0`: HtFLlib's, client 0's "
-        "initial head. Same partitions per seed; docs/algorithms.md has the reading of the code.",
-        "",
-        f"- Setting: Fashion-MNIST, {cfg['train_samples']:,} training images, "
-        f"{cfg['data']['num_clients']} clients, Dirichlet({cfg['data']['partition']['alpha']}), "
-        f"family `{cfg['model']['family']}`, SGD lr {cfg['train']['lr']} (momentum "
-        f"{cfg['train']['momentum']}), batch {cfg['train']['batch_size']}, deployed protocol, "
-        f"{cfg['rounds']} rounds, seeds {', '.join(seeds) or 'none yet'}.",
-        f"- Command: `{data['command']}`; commit `{data['commit']}`, run {data['date']}.",
-        "",
-    ]
-    if not seeds:
-        return out + ["No seed has both runs yet.", ""]
-    body = []
-    for r in range(rounds):
-        fresh = [acc["fresh"][s][r] for s in seeds]
-        c0 = [acc["client0"][s][r] for s in seeds]
-        diffs = [b - a for a, b in zip(fresh, c0)]
-        each = ", ".join(f"{100 * d:+.1f}" for d in diffs)
-        body.append([str(r + 1), pm(fresh), pm(c0), pm(diffs, signed=True), each])
-    header = ["round", "fresh personal/acc", "client0 personal/acc", "paired Δ", "per seed"]
-    return out + md_table(header, body)
-
-
 def page() -> str:
     """docs/results.md as the files in docs/results/ give it."""
     out = [INTRO]
@@ -341,9 +336,6 @@ def page() -> str:
             out += devices_section(devices_plan_data(table))
         else:
             out += plan_section(table)
-    fedgh = RESULTS / "fedgh_header_init.json"
-    if fedgh.is_file():
-        out += fedgh_section(json.loads(fedgh.read_text()))
     if (RESULTS / "peers").is_dir():  # experiments/peers/report.py renders them (no torch)
         from peers import report
 

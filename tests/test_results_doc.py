@@ -132,6 +132,20 @@ def test_a_controlled_table_shows_each_seeds_gains_and_their_mean(make_results, 
     )
 
 
+def test_a_per_round_table_pairs_each_round_with_the_best_baseline(make_results):
+    def run(label, seed, accs):
+        history = [{"round": i + 1, "personal/acc": a} for i, a in enumerate(accs)]
+        return {"label": label, "seed": seed, "history": history}
+
+    runs = [run("a", 0, [0.5, 0.7]), run("a", 1, [0.6, 0.8])]
+    runs += [run("m", 0, [0.52, 0.69]), run("m", 1, [0.64, 0.81])]
+    text = "\n".join(make_results.per_round_table(runs, "personal/acc", ["a"]))
+    # round 1: a 55.0 ± 7.1, m - a +2.0 and +4.0 points; round 2: -1.0 and +1.0
+    assert "| round | a | m: paired Δ | m: paired Δ per seed |" in text
+    assert "| 1 | 55.0 ± 7.1 | +3.0 ± 1.4 (2) | +2.0, +4.0 |" in text
+    assert "| 2 | 75.0 ± 7.1 | +0.0 ± 1.4 (2) | -1.0, +1.0 |" in text
+
+
 def test_a_table_with_method_groups_splits_each_setting_and_seed_into_group_parts():
     import results_plan
 
