@@ -4,8 +4,6 @@
     python3 experiments/make_results.py --check      # exit 1 when docs/results.md is stale
 
 Sources, each a small file in docs/results/:
-- `privacy/section.md`: included verbatim, right after the introduction (written by the privacy
-  measurements, not by this script);
 - `plan/<table>/<part>.json`: the tables of `experiments/results_plan.yaml`, one file per
   finished part (one setting and seed), written by `python3 experiments/results_plan.py run`;
   the README's headline (the main job with both controls, over seeds) is the first of them;
@@ -198,10 +196,11 @@ def plan_runs(table: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def _cell(values: Sequence[float], key: str) -> str:
-    """A metric's mean ± std: in points as they are (`*_points`), else a fraction in %."""
+    """A metric's mean ± std: in points as they are (`*_points`), an accuracy in %, anything
+    else (epsilon, counts) as it is."""
     if key.endswith("_points"):
         return pm([v / 100 for v in values], signed=True)
-    return pm(values)
+    return pm(values) if "acc" in key else pm(values, scale=1.0)
 
 
 def plan_section(table: Any) -> list[str]:
@@ -326,9 +325,6 @@ def devices_plan_data(table: Any) -> dict[str, Any]:
 def page() -> str:
     """docs/results.md as the files in docs/results/ give it."""
     out = [INTRO]
-    privacy = RESULTS / "privacy" / "section.md"
-    if privacy.is_file():  # headed by the introduction
-        out += [privacy.read_text().rstrip("\n"), ""]
     for table in load_plan():
         if table.spec.get("render") == "controlled":
             out += controlled_section(controlled_plan_data(table))

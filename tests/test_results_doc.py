@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -37,21 +36,6 @@ def test_paired_differences_to_the_best_baseline_golden(make_results):
     # m - a per seed: +5.0, -1.0 points; mean +2.0, sample std 4.2
     assert by["m"][1:] == ["+2.0 ± 4.2 (2)", "+5.0, -1.0"]
     assert by["b"][1] == "-7.0 ± 4.2 (2)"
-
-
-def test_privacy_fragment_is_included_verbatim_after_the_introduction(make_results, tmp_path):
-    results = tmp_path / "results"
-    shutil.copytree(ROOT / "docs" / "results", results)
-    (results / "privacy").mkdir(exist_ok=True)
-    fragment = "## Privacy\n\nA fragment | with a table |\n"
-    (results / "privacy" / "section.md").write_text(fragment)
-    original = make_results.RESULTS
-    make_results.RESULTS = results
-    try:
-        text = make_results.page()
-    finally:
-        make_results.RESULTS = original
-    assert text.startswith(make_results.INTRO.rstrip("\n") + "\n\n" + fragment)
 
 
 def _part(seed: int, accs: dict[str, float], gain: float) -> dict:
