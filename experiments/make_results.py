@@ -43,13 +43,13 @@ heavily loaded 2-core machine.
 
 
 # -- statistics --------------------------------------------------------------------------------
-def pm(values: Sequence[float], scale: float = 100.0, signed: bool = False) -> str:
+def pm(values: Sequence[float], scale: float = 100.0, signed: bool = False, digits: int = 1) -> str:
     """`mean ± sample std` of `values` times `scale` (one value: std 0); `signed`: a difference."""
     if not values:
         return "–"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    std = scale * (statistics.stdev(values) if len(values) > 1 else 0.0)
     mean = scale * statistics.fmean(values)
-    return f"{mean:+.1f} ± {scale * std:.1f}" if signed else f"{mean:.1f} ± {scale * std:.1f}"
+    return f"{mean:{'+' if signed else ''}.{digits}f} ± {std:.{digits}f}"
 
 
 def paired_rows(
@@ -200,7 +200,7 @@ def _cell(values: Sequence[float], key: str) -> str:
     else (epsilon, counts) as it is."""
     if key.endswith("_points"):
         return pm([v / 100 for v in values], signed=True)
-    return pm(values) if "acc" in key else pm(values, scale=1.0)
+    return pm(values) if "acc" in key else pm(values, scale=1.0, digits=2)
 
 
 def plan_section(table: Any) -> list[str]:
