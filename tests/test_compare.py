@@ -174,6 +174,20 @@ def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
     assert {r["mlflow_run_id"] for r in runs} == {r.info.run_id for r in children}
     assert "proto/personal/acc" in parent.data.metrics
 
+    # the same command again reuses every finished run; a changed setting that moves numbers is
+    # refused, naming it, instead of reusing runs made with the old value
+    tracking = ["tracking.backend=mlflow", f"tracking.uri={uri}"]
+    again = run_suite(path, tracking, out=out, progress=False)
+    assert "suite tiny: 4 runs" in again
+    reused = pq.read_table(out / "runs.parquet").to_pylist()
+    assert [(r["label"], r["seed"], r["personal/acc"]) for r in reused] == [
+        (r["label"], r["seed"], r["personal/acc"]) for r in runs
+    ]
+    with pytest.raises(
+        UserError, match=r"finished with train\.lr=0\.05, but the suite now gives 0\.5"
+    ):
+        run_suite(path, [*tracking, "train.lr=0.5"], out=out, progress=False)
+
 
 @pytest.mark.slow
 def test_algorithms_of_a_suite_share_the_partition(tmp_path):

@@ -23,12 +23,13 @@ from rayfl.compare.results import (
     run_row,
 )
 from rayfl.compare.suite import Suite, SuiteRun, load_suite
+from rayfl.engine.checkpoint import result_settings
 from rayfl.engine.rundir import read_mlflow_run
-from rayfl.errors import ConfigError
-from rayfl.schema import RunConfig
+from rayfl.errors import ConfigError, UserError
+from rayfl.schema import RunConfig, to_dict
 from rayfl.tables import write_table
 from rayfl.tune.run import ParentRun, held, ray_for
-from rayfl.tune.trial import Stopped, continue_run, finished, run_grid
+from rayfl.tune.trial import Stopped, continue_run, finished, pinned, run_grid
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,28 @@ def finished_row(
     if got is None:
         return None
     summary, history = got
+    ran = result_settings(summary.get("config") or {})
+    now = result_settings(to_dict(pinned(run.config)))
+    if ran != now:
+        key, was, wanted = first_difference(now, ran)
+        raise UserError(
+            f"{run_dir} finished with {key}={was!r}, but the suite now gives {wanted!r}: run "
+            "into another --out, or delete that run's folder to run it again"
+        )
     ref = read_mlflow_run(run_dir)
     wall_s, final = float(summary.get("wall_s", 0.0)), summary.get("final", {})
     run_id = ref["run_id"] if ref else None
     return run_row(run, run_dir, wall_s, "FINISHED", final, len(history), run_id), history
+
+
+def first_difference(a: Any, b: Any, key: str = "") -> tuple[str, Any, Any]:
+    """The first dotted key where nested mappings `a` and `b` differ, with b's and a's values
+    there (a value missing from one side is None)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+    return key, b, a
 
 
 def remove_checkpoints(run_dir: Path) -> None:

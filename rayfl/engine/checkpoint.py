@@ -59,15 +59,19 @@ _TREE = "__tree__"
 _RESULT_ENGINE_KEYS = ("fraction", "clients_per_round", "sampling", "eval_every", "min_replies")
 
 
-def config_hash(cfg: RunConfig) -> str:
-    """sha256 of the settings that determine a run's numbers (everything but engine placement,
-    engine.rounds, checkpointing, tracking and the name)."""
-    d = to_dict(cfg)
-    engine = d.pop("engine")
-    for key in ("tracking", "name"):
-        d.pop(key, None)
+def result_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Of a config as `to_dict` gives it, the settings that determine a run's numbers
+    (everything but engine placement, engine.rounds, checkpointing, tracking and the name), as
+    JSON reads them back."""
+    d = {k: v for k, v in config.items() if k not in ("engine", "tracking", "name")}
+    engine = config.get("engine", {})
     d["engine"] = {k: engine[k] for k in _RESULT_ENGINE_KEYS if k in engine}
-    text = json.dumps(d, sort_keys=True, default=str)
+    return dict(json.loads(json.dumps(d, sort_keys=True, default=str)))
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of `result_settings` of `cfg`."""
+    text = json.dumps(result_settings(to_dict(cfg)), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
