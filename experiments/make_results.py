@@ -290,7 +290,7 @@ def per_round_table(
 
 def controlled_plan_data(table: Any) -> dict[str, Any]:
     """A `render: controlled` table's parts in the shape `controlled_section` reads."""
-    data = devices_plan_data(table)
+    data = section_data(table)
     data["note"] += " Protocol: " + table.spec["protocol"].strip()
     data["runs"] = [
         {
@@ -303,8 +303,10 @@ def controlled_plan_data(table: Any) -> dict[str, Any]:
     return data
 
 
-def devices_plan_data(table: Any) -> dict[str, Any]:
-    """The device-tier table's parts in the shape `devices_section` reads."""
+def section_data(table: Any) -> dict[str, Any]:
+    """A `render:` table's parts as its section reads them: title, note (what it measured, the
+    parts done), the first part's command, the commits, and the runs with their per-round
+    history as `rounds`."""
     parts, runs = plan_runs(table)
     commits = ", ".join(sorted({p["commit"] for p in parts}))
     missing = table.missing()
@@ -329,7 +331,7 @@ def page() -> str:
         if table.spec.get("render") == "controlled":
             out += controlled_section(controlled_plan_data(table))
         elif table.spec.get("render") == "devices":
-            out += devices_section(devices_plan_data(table))
+            out += devices_section(section_data(table))
         else:
             out += plan_section(table)
     if (RESULTS / "peers").is_dir():  # experiments/peers/report.py renders them (no torch)
