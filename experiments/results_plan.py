@@ -17,7 +17,8 @@ server step then runs tens of times slower while its threads wait on each other)
 every round into `runs/plan/<table>/<part>/`, so a part that was stopped continues where it
 was. When every run of a part finished, its result file `docs/results/plan/<table>/<part>.json`
 holds each run's final metrics, its per-round history of the table's metric, the final round's
-per-client table and the code commit; checkpoints and models stay out of it.
+per-client table and the code commit; checkpoints and models stay out of it. Parts run under
+`rayfl.seeding.PORTABLE_CPU_ENV`, so a part rerun on another x86-64 machine gives its numbers.
 
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
 `sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rayfl.seeding import PORTABLE_CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "experiments" / "results_plan.yaml"
@@ -236,7 +240,8 @@ def run_part(table: Table, part: str, code: str, log: Any) -> bool:
         return True
     start = time.monotonic()
     with (RUNS / table.name / f"{part}.log").open("a") as out:
-        rc = subprocess.run(table.command(part), cwd=ROOT, stdout=out, stderr=out).returncode
+        env = {**PORTABLE_CPU_ENV, **os.environ}  # the same numbers on any x86-64 machine
+        rc = subprocess.run(table.command(part), cwd=ROOT, env=env, stdout=out, stderr=out).returncode
     data = collect_part(table, part, code, time.monotonic() - start)
     if rc != 0 or data is None:
         log(f"{table.name}/{part}: not finished (exit {rc}); rerun to resume")

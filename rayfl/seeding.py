@@ -8,6 +8,9 @@ client (`tests/test_seeding.py` checks it over a grid).
 Secure aggregation derives its keys by hashing with labels of its own (`rayfl.privacy.secagg`),
 a domain apart from these streams. A dataset's own `data.options.seed` (synthetic data, the
 digits test split) defines the data, not a run's randomness, and is not a stream here.
+
+The same streams give the same numbers on another machine only with the same float arithmetic:
+`PORTABLE_CPU_ENV` pins it on x86-64.
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ class Purpose(IntEnum):
     DEVICE_TIER = 20  # clients drawn into device tiers (`devices.proportions`): (seed, DEVICE_TIER)
     DEVICE_AVAILABLE = 21  # a device's availability: (seed, round, client, DEVICE_AVAILABLE)
     DEVICE_DROPOUT = 22  # a device dropping out mid-training: (seed, round, client, DEVICE_DROPOUT)
+
+
+# PyTorch's kernels, oneDNN's and MKL's each choose their code by the CPU's instruction set, and
+# an AVX-512 machine sums in another order than an AVX2 one: the last digits differ and training
+# drifts apart. These settings make every x86-64 CPU with AVX2 compute as an AVX2 one. They must
+# be in the environment before the first tensor operation; Ray workers and subprocesses started
+# afterwards inherit them. The test suite and the results plan run under them.
+PORTABLE_CPU_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 # The server's second stream in a round (its public-data batches): (seed, round, SERVER, 1), a

@@ -18,6 +18,12 @@ import tempfile
 
 import pytest
 
+from rayfl.seeding import PORTABLE_CPU_ENV
+
+# Golden and exact-equality tests need the same float arithmetic on every CI machine; set before
+# any tensor operation, inherited by Ray workers and subprocesses.
+for _key, _value in PORTABLE_CPU_ENV.items():
+    os.environ.setdefault(_key, _value)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests pass their own URIs
 # a key of the session's own (rayfl.gate): children and Ray workers inherit it
