@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -234,14 +235,48 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
     }
 
 
-def run_part(table: Table, part: str, code: str, log: Any) -> bool:
+class Parts:
+    """The parts' processes: each in its own session, so that a Ctrl-C reaches the plan only,
+    which then stops each running part once (as `rayfl compare` stops on Ctrl-C, with its
+    checkpoints) and starts no other."""
+
+    def __init__(self) -> None:
+        self.lock, self.stopped, self.running = threading.Lock(), False, set()
+
+    def start(self, cmd: list[str], out: Any) -> subprocess.Popen | None:
+        env = {**PORTABLE_CPU_ENV, **os.environ}  # the same numbers on any x86-64 machine
+        with self.lock:
+            if self.stopped:
+                return None
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True
+            )
+            self.running.add(proc)
+            return proc
+
+    def wait(self, proc: subprocess.Popen) -> int:
+        rc = proc.wait()
+        with self.lock:
+            self.running.discard(proc)
+        return rc
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for proc in self.running:
+                proc.send_signal(signal.SIGINT)
+
+
+def run_part(table: Table, part: str, code: str, log: Any, parts: Parts) -> bool:
     """Runs (or resumes) one part and writes its result file; False when it did not finish."""
     if table.result(part).is_file():  # another `run` finished it meanwhile
         return True
     start = time.monotonic()
     with (RUNS / table.name / f"{part}.log").open("a") as out:
-        env = {**PORTABLE_CPU_ENV, **os.environ}  # the same numbers on any x86-64 machine
-        rc = subprocess.run(table.command(part), cwd=ROOT, env=env, stdout=out, stderr=out).returncode
+        proc = parts.start(table.command(part), out)
+        if proc is None:
+            return False
+        rc = parts.wait(proc)
     data = collect_part(table, part, code, time.monotonic() - start)
     if rc != 0 or data is None:
         log(f"{table.name}/{part}: not finished (exit {rc}); rerun to resume")
@@ -285,8 +320,17 @@ def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = 
     for t, _ in chosen:
         (RUNS / t.name).mkdir(parents=True, exist_ok=True)
     log(f"{len(chosen)} parts, ~{spent / 3600:.1f} core-hours at code {code}")
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, log), chosen))
+    parts = Parts()
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it like Ctrl-C
+    try:
+        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, log, parts), chosen))
+    except KeyboardInterrupt:
+        parts.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+        log("stopped; `run` again resumes the unfinished parts from their checkpoints")
+        return 130
+    pool.shutdown()
     return 0 if all(ok) else 1
 
 

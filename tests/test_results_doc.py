@@ -160,3 +160,16 @@ def test_every_plan_table_names_its_suites_methods_and_settings(make_results):
         assert set(table.spec["baselines"]) <= labels, table.name
         settings = {r.setting for r in suite.runs}
         assert {s for s in table.settings() if s} <= settings, table.name
+
+
+def test_stopping_the_plan_stops_its_running_parts_and_starts_no_other(make_results, tmp_path):
+    import results_plan
+
+    parts = results_plan.Parts()
+    with (tmp_path / "log").open("w") as out:
+        running = [parts.start(["sleep", "60"], out) for _ in range(2)]
+        assert all(p is not None for p in running)
+        parts.stop()
+        assert [parts.wait(p) for p in running if p is not None] == [-2, -2]  # SIGINT
+        assert parts.start(["sleep", "60"], out) is None
+    assert parts.running == set()
