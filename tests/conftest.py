@@ -1,10 +1,10 @@
-"""Shared fixtures (one local Ray per test session, with one logical GPU for placement tests)
-and the test markers' rules.
+"""Shared fixtures (one local Ray per test process, with one logical GPU for placement tests;
+under pytest-xdist each worker has its own) and the test markers' rules.
 
 Markers (help in pyproject.toml): `slow` marks every test that starts Ray, a subprocess or an
-end-to-end run, so `python3 -m pytest -q -m "not slow"` is the developer's fast loop while a
-plain `python3 -m pytest -q` (CI) runs everything but the long `experiment` and the `gpu`
-tests. A test that uses the `ray_local` fixture or is marked `ray` or `experiment` is marked
+end-to-end run, so `python3 -m pytest -q -m "not slow"` is the developer's fast loop while
+the README's `python3 -m pytest -q -n 2 --dist loadfile` (CI) runs everything but the long
+`experiment` and the `gpu` tests. A test that uses the `ray_local` fixture or is marked `ray` or `experiment` is marked
 `slow` here; a test not marked `slow` that starts a Python subprocess, Ray or a whole run
 fails, naming the marker.
 """
@@ -30,9 +30,11 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests pass their own URIs
 os.environ.setdefault("RAYFL_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="rayfl-key-"), "key"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_local():
-    """A private local Ray: 2 CPUs and one *logical* GPU (never touched through CUDA)."""
+    """A private local Ray: 2 CPUs and one *logical* GPU (never touched through CUDA), started by
+    the first test that asks for it and kept for the session (a test that joined a cluster of
+    its own and disconnected gets a new one); stopped when the session ends."""
     import ray
 
     if not ray.is_initialized():
@@ -43,8 +45,14 @@ def ray_local():
             include_dashboard=False,
             configure_logging=False,
         )
-    yield ray
-    if ray.is_initialized():
+    return ray
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
 
 
@@ -77,8 +85,11 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if item.get_closest_marker("gpu"):
                     item.add_marker(skip)
-    # Tests that start their own multi-node cluster must not overlap the session's Ray: run them last.
-    items.sort(key=lambda item: "multinode" in item.nodeid)
+    # Files go to pytest-xdist's workers in this order (--dist loadfile): those with slow tests
+    # first, so that the quick ones fill the end; last the multi-node files, whose tests leave
+    # the process's Ray for a cluster of their own.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: ("multinode" in item.nodeid, item.path not in slow_files))
 
 
 # What makes a test slow: another Python interpreter (a CLI run, a script) or Ray's daemons.

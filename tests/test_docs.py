@@ -40,7 +40,8 @@ def test_readme_opens_with_the_main_job_and_the_ci_command_and_stays_short():
     load_config(ROOT / run.split()[2])  # the main job's file exists and validates
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert checks == ci  # .ci/run runs exactly the README's second command
-    assert checks.startswith("bash setup.sh && ") and checks.endswith("python3 -m pytest -q")
+    assert checks.startswith("bash setup.sh && ")
+    assert checks.endswith("python3 -m pytest -q -n 2 --dist loadfile")
     assert len(text.splitlines()) <= 200
 
 
