@@ -85,11 +85,19 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if item.get_closest_marker("gpu"):
                     item.add_marker(skip)
-    # Files go to pytest-xdist's workers in this order (--dist loadfile): those with slow tests
-    # first, so that the quick ones fill the end; last the multi-node files, whose tests leave
-    # the process's Ray for a cluster of their own.
+    # Files go to pytest-xdist's workers in this order (--dist loadfile): the longest first, so
+    # that the quick ones fill the end: files with slow tests, the end-to-end ones at the top of
+    # tests/ before the packages'; last the multi-node files, whose tests leave the process's
+    # Ray for a cluster of their own.
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: ("multinode" in item.nodeid, item.path not in slow_files))
+    top = os.path.dirname(__file__)
+    items.sort(
+        key=lambda item: (
+            "multinode" in item.nodeid,
+            item.path not in slow_files,
+            str(item.path.parent) != top,
+        )
+    )
 
 
 # What makes a test slow: another Python interpreter (a CLI run, a script) or Ray's daemons.
