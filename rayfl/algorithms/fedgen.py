@@ -21,11 +21,18 @@ Server: trains the generator against the uploaded heads (`server_epochs` Adam st
 `train.batch_size` samples, learning rate `generator_lr`, a fresh optimizer each round), then
 averages the heads.
 
-Defaults are HtFLlib's FedGen command (`system/total.sh`: `-nd 32 -glr 0.1 -hd 512 -se 100`);
-the noise size 32 is also the official FedGen code's for MNIST and EMNIST (zhuangdizhu/FedGen
-`GENERATORCONFIGS`; 64 for CIFAR).
+Defaults are HtFLlib's FedGen command (`system/total.sh`: `-nd 32 -hd 512 -se 100`; the noise
+size 32 is also the official FedGen code's for MNIST and EMNIST, zhuangdizhu/FedGen
+`GENERATORCONFIGS`) but for the generator's learning rate: 3e-4, the official code's for MNIST
+(`RUNCONFIGS`, `ensemble_lr`), not HtFLlib's `-glr 0.1`. HtFLlib's `train_generator` trains a
+copy of the saved generator and never saves it back (`servergen.py`), so its clients sample the
+initial generator all along (rayfl: `server_epochs: 0`) and its `-glr` is never exercised; a
+generator that does learn at 0.1 drives the clients' heads to non-finite weights within a few
+rounds.
 
 Deviations from HtFLlib, each for a reason:
+- the trained generator is kept and sent to the clients (the paper's method; see above), with
+  HtFLlib's fresh Adam each round (the official code keeps one, its rate decayed 0.98 a round).
 - the label counts travel with the heads, and the server sums the latest counts of every client
   seen so far; HtFLlib reads every client's counts at start-up. Until the first upload no count
   is known and clients train by CE alone (HtFLlib's round 0 samples its untrained generator).
@@ -76,9 +83,11 @@ class FedGenParams(CheckedParams):
     )
     hidden_dim: int = setting(512, "width of the generator's hidden layer (HtFLlib -hd 512)", ge=1)
     generator_lr: float = setting(
-        0.1, "the generator's Adam learning rate (HtFLlib total.sh -glr 0.1)", gt=0
+        3e-4, "the generator's Adam learning rate (official FedGen, MNIST ensemble_lr)", gt=0
     )
-    server_epochs: int = setting(100, "Adam steps of the generator per round (HtFLlib -se 100)")
+    server_epochs: int = setting(
+        100, "Adam steps of the generator per round (HtFLlib -se 100; 0: HtFLlib's untrained one)"
+    )
 
 
 class Generator(nn.Module):
