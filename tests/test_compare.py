@@ -13,7 +13,7 @@ import yaml
 
 import rayfl.algorithms.fedproto  # noqa: F401  (registration)
 from rayfl.compare import load_suite, run_suite
-from rayfl.compare.results import aggregate, curves_and_spread
+from rayfl.compare.results import aggregate, curves_and_spread, run_row
 from rayfl.errors import ConfigError, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +99,14 @@ def test_bad_suites_name_the_problem(tmp_path, change, needle):
 def test_cli_seed_override_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="seeds="):
         load_suite(write_suite(tmp_path), ["seed=3"])
+
+
+def test_a_finished_runs_non_finite_metric_is_a_nan_in_its_row(tmp_path):
+    # summary.json stores NaN as null; a suite rerun over that finished run builds its row from it
+    run = load_suite(write_suite(tmp_path), ["engine.rounds=1"]).runs[0]
+    final = {"round": 1, "personal/acc": 0.5, "personal/loss": None}
+    row = run_row(run, tmp_path, 1.0, "FINISHED", final, 1)
+    assert row["personal/acc"] == 0.5 and np.isnan(row["personal/loss"]) and "round" not in row
 
 
 def test_aggregate_golden():

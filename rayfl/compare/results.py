@@ -47,7 +47,11 @@ def run_row(
     down = final.get("comm/bytes_down_total", 0.0) / max(1, rounds) / 1e6
     ids = (run.setting, run.label, run.config.algorithm.name, run.seed, status, rounds)
     row: dict[str, Any] = dict(zip(ID_COLUMNS, (*ids, str(run_dir), run_id or "", "")))
-    row.update({k: float(v) for k, v in sorted(final.items()) if k not in ("round",)})
+    # summary.json keeps a non-finite metric (a diverged loss) as null: NaN again here
+    nan = float("nan")
+    row.update(
+        {k: nan if v is None else float(v) for k, v in sorted(final.items()) if k != "round"}
+    )
     row["comm/mb_up_per_round"] = up
     row["comm/mb_down_per_round"] = down
     row["comm/mb_per_round"] = up + down
