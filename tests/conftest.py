@@ -4,9 +4,9 @@ under pytest-xdist each worker has its own) and the test markers' rules.
 Markers (help in pyproject.toml): `slow` marks every test that starts Ray, a subprocess or an
 end-to-end run, so `python3 -m pytest -q -m "not slow"` is the developer's fast loop while
 the README's `python3 -m pytest -q -n 2 --dist loadfile` (CI) runs everything but the long
-`experiment` and the `gpu` tests. A test that uses the `ray_local` fixture or is marked `ray` or `experiment` is marked
-`slow` here; a test not marked `slow` that starts a Python subprocess, Ray or a whole run
-fails, naming the marker.
+`experiment` and the `gpu` tests. A test that uses the `ray_local` fixture or is marked `ray`
+or `experiment` is marked `slow` here; a test not marked `slow` that starts a Python
+subprocess, Ray or a whole run fails, naming the marker.
 """
 
 from __future__ import annotations
