@@ -79,7 +79,7 @@ def finished_row(
     ran = result_settings(summary.get("config") or {})
     now = result_settings(to_dict(pinned(run.config)))
     if ran != now:
-        key, was, wanted = first_difference(now, ran)
+        key, was, wanted = first_difference(ran, now)
         raise UserError(
             f"{run_dir} finished with {key}={was!r}, but the suite now gives {wanted!r}: run "
             "into another --out, or delete that run's folder to run it again"
@@ -91,13 +91,13 @@ def finished_row(
 
 
 def first_difference(a: Any, b: Any, key: str = "") -> tuple[str, Any, Any]:
-    """The first dotted key where nested mappings `a` and `b` differ, with b's and a's values
+    """The first dotted key where nested mappings `a` and `b` differ, with a's and b's values
     there (a value missing from one side is None)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 return first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
-    return key, b, a
+    return key, a, b
 
 
 def remove_checkpoints(run_dir: Path) -> None:
