@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -49,9 +50,7 @@ def ray_local():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import sys
-
-    ray = sys.modules.get("ray")
+    ray = sys.modules.get("ray")  # only if a test imported it
     if ray is not None and ray.is_initialized():
         ray.shutdown()
 
