@@ -26,6 +26,7 @@ from rayfl.algorithms.functional import (  # the payload helpers, exported here 
     load_numpy,
     to_numpy,
     unprefixed,
+    weighted_average,
 )
 from rayfl.errors import require
 from rayfl.models import build_model
@@ -193,6 +194,11 @@ class Client(Generic[P]):
         """Local training. Default: the engine's loop over `training_step` for all persistent modules."""
         return trainer.run(self.training_step, list(self.persistent.values()))
 
+    def fit_cut_off(self, trainer: Trainer) -> dict[str, float]:
+        """`fit` for the no-federation control (`eval.federation_control`), whose upload goes
+        nowhere: it may skip training that serves only the upload, never change what is kept."""
+        return self.fit(trainer)
+
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -322,8 +328,6 @@ class AveragingServer(Server[P]):
         return to_numpy(self.shared.state_dict())
 
     def aggregate(self, replies: Sequence[Reply], rnd: RoundContext) -> dict[str, float]:
-        from rayfl.algorithms.functional import weighted_average
-
         avg = weighted_average([r.payload for r in replies], [r.num_samples for r in replies])
         load_numpy(self.shared, avg)
         return {}
@@ -348,8 +352,7 @@ class Algorithm(Generic[P]):
     client: type[Client[P]]
     server: type[Server[P]]
     needs_homogeneous: bool = False  # one architecture for every client (fedavg, fedprox)
-    # shares heads or prototypes (lg_fedavg, fedproto, fedgh)
-    needs_common_feature_dim: bool = False
+    needs_common_feature_dim: bool = False  # shares heads or prototypes (lg_fedavg, fedgh...)
     needs_public: bool = False  # uses the held-out public split (fedmd, feddf, fedfd)
     summary: str = ""
     # Extra check of the clients' architectures against the params (raises ConfigError); cheap,

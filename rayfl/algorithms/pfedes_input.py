@@ -79,6 +79,12 @@ class PFedESInputClient(PFedESClient):
             )
         return {"loss": stage1["loss"], "pfedes/proxy_loss": stage2["loss"]}
 
+    def fit_cut_off(self, trainer: Trainer) -> dict[str, float]:
+        """Stage 1 only: stage 2 changes G alone, which is uploaded and replaced by the next
+        broadcast (F is frozen and in eval mode; the trainer's shuffling is seeded per round)."""
+        self.proxy.eval()
+        return trainer.run(self._stage1_step, [self.model])
+
     def _stage2_shared(self, trainer: Trainer, epochs: int) -> dict[str, float]:
         """Stage 2 with the federation's SGD momentum for G: continue from the received buffers
         and keep the final ones for upload (the official code's single `optimizer_gen`)."""

@@ -276,7 +276,7 @@ class ClientRunner:
         trainer = self._trainer(round_idx, cid)
         start = time.perf_counter()
         control.receive(initial, self.spec.round_context(round_idx))
-        control.fit(trainer)
+        control.fit_cut_off(trainer)
         seconds = time.perf_counter() - start
         acc = evaluate_client(control, trainer)["acc"]
         if evaluate:

@@ -80,3 +80,20 @@ def test_ray_gives_the_serial_control(name, ray_local, tmp_path):
     )
     for key in ("personal/acc", "baseline/control_acc", "baseline/federated_gain_points"):
         assert ray[key] == serial[key], key
+
+
+def test_skipping_what_only_the_upload_needs_leaves_the_control_unchanged(
+    synthetic_raw, tmp_path, monkeypatch
+):
+    # pFedES input's stage 2 trains only the proxy it uploads: the control skips it
+    from rayfl.algorithms.pfedes_input import PFedESInputClient
+
+    over = ["engine.rounds=3", "algorithm.variant=input", "algorithm.proxy_epochs=2", CONTROL]
+    skipped = Simulation(build_config(synthetic_raw, over), tmp_path / "a").run()
+    monkeypatch.setattr(PFedESInputClient, "fit_cut_off", PFedESInputClient.fit)
+    full = Simulation(build_config(synthetic_raw, over), tmp_path / "b").run()
+    assert skipped.final["baseline/control_acc"] == full.final["baseline/control_acc"]
+    assert skipped.final["personal/acc"] == full.final["personal/acc"]
+    assert [r.get("baseline/control_acc") for r in skipped.history] == [
+        r.get("baseline/control_acc") for r in full.history
+    ]
