@@ -257,6 +257,7 @@ def _run(sweep: Sweep, out: Path, state: dict[str, Any], strict_fit: bool) -> Sw
                     ),
                     trial_name_creator=_trial_name,
                     trial_dirname_creator=_trial_name,
+                    reuse_actors=True,  # the next trial of the same bundles reuses the process
                 ),
                 run_config=tune.RunConfig(
                     name=sweep.name,

@@ -269,7 +269,7 @@ def run_grid(
             ),
             param_space={"run": tune.grid_search(list(jobs))},
             tune_config=tune.TuneConfig(
-                max_concurrent_trials=parallel, trial_dirname_creator=_dirname
+                max_concurrent_trials=parallel, trial_dirname_creator=_dirname, reuse_actors=True
             ),
             run_config=tune.RunConfig(
                 name=name, storage_path=storage, verbose=0, callbacks=[_handing(on_result)]
