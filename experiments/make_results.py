@@ -203,6 +203,17 @@ def _cell(values: Sequence[float], key: str) -> str:
     return pm(values) if "acc" in key else pm(values, scale=1.0, digits=2)
 
 
+def part_commits(parts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The commits the parts' runs ran at (each piece of each run), and the one the plan recorded
+    at collection for a part with runs that list none (made before runs recorded theirs)."""
+    found = set()
+    for part in parts:
+        found |= {c for r in part["runs"] for c in r.get("commits", [])}
+        if not all(r.get("commits") for r in part["runs"]):
+            found.add(part["commit"])
+    return sorted(found)
+
+
 def plan_section(table: Any) -> list[str]:
     """One table of the results plan: its finished parts, per setting mean ± std over seeds of
     the metric and the declared columns, and paired differences to the best baseline."""
@@ -210,7 +221,7 @@ def plan_section(table: Any) -> list[str]:
     parts, runs = plan_runs(table)
     missing = table.missing()
     title = spec["title"] + (" — PARTIAL" if missing else "")
-    commits = sorted({p["commit"] for p in parts})
+    commits = part_commits(parts)
     out = [f"## {title}", "", spec["what"].strip(), "", f"Protocol: {spec['protocol'].strip()}", ""]
     out += [
         f"- Suite: `{spec['suite']}`, {table.rounds} rounds, seeds "
@@ -308,7 +319,7 @@ def section_data(table: Any) -> dict[str, Any]:
     parts done), the first part's command, the commits, and the runs with their per-round
     history as `rounds`."""
     parts, runs = plan_runs(table)
-    commits = ", ".join(sorted({p["commit"] for p in parts}))
+    commits = ", ".join(part_commits(parts))
     missing = table.missing()
     done = f"Parts done: {len(parts)} of {len(table.parts())}" + (
         f" (missing: {', '.join(missing)}); only the parts done are in the numbers."

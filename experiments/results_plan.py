@@ -17,8 +17,9 @@ server step then runs tens of times slower while its threads wait on each other)
 every round into `runs/plan/<table>/<part>/`, so a part that was stopped continues where it
 was. When every run of a part finished, its result file `docs/results/plan/<table>/<part>.json`
 holds each run's final metrics, its per-round history of the table's metric, the final round's
-per-client table and the code commit; checkpoints and models stay out of it. Parts run under
-`rayfl.seeding.PORTABLE_CPU_ENV`, so a part rerun on another x86-64 machine gives its numbers.
+per-client table, the commits each run's pieces ran at and the plan's own commit; checkpoints
+and models stay out of it. Parts run under `rayfl.seeding.PORTABLE_CPU_ENV`, so a part rerun
+on another x86-64 machine gives its numbers.
 
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
 `sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
@@ -219,6 +220,7 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
                     for h in history
                 ],
                 "clients": _final_clients(run_dir),
+                "commits": [c[:7] for c in summary.get("commits", [])],
             }
         )
     setting, seed, group = split_part(part)

@@ -116,6 +116,16 @@ def test_a_controlled_table_shows_each_seeds_gains_and_their_mean(make_results, 
     )
 
 
+def test_a_table_names_the_commits_its_runs_ran_at(make_results):
+    def part(commit, *runs):
+        return {"commit": commit, "runs": [{"commits": c} if c is not None else {} for c in runs]}
+
+    every_run_knows = part("p1", ["a1"], ["a1", "b1"])
+    assert make_results.part_commits([every_run_knows]) == ["a1", "b1"]  # not the plan's p1
+    older = part("p2", None, ["c1"])  # a run made before runs recorded their commits
+    assert make_results.part_commits([every_run_knows, older]) == ["a1", "b1", "c1", "p2"]
+
+
 def test_a_per_round_table_pairs_each_round_with_the_best_baseline(make_results):
     def run(label, seed, accs):
         history = [{"round": i + 1, "personal/acc": a} for i, a in enumerate(accs)]

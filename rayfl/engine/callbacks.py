@@ -22,7 +22,9 @@ from rayfl.engine.hooks import Callback
 from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, to_dict
 from rayfl.tables import read_table, strict_json, write_table
+from rayfl.engine.rundir import read_summary
 from rayfl.tracking.plots import plot_run
+from rayfl.tracking.provenance import git_commit
 from rayfl.version import __version__
 
 if TYPE_CHECKING:
@@ -194,6 +196,7 @@ class RunDirectory(Callback):
         self.artifacts: list[Path] = []
         self._opened = False
         self._clients_before: list[dict[str, Any]] = []  # a resumed run's earlier rounds
+        self._commits: list[str] = []  # the git commits of the run's pieces, in order
 
     def on_run_start(self, sim: Simulation) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +205,10 @@ class RunDirectory(Callback):
             self._clients_before = [
                 r for r in read_table(self.run_dir / CLIENTS_FILE) if r["round"] < sim.start_round
             ]
+        earlier = read_summary(self.run_dir).get("commits") if sim.start_round > 1 else None
+        earlier = [c for c in earlier if isinstance(c, str)] if isinstance(earlier, list) else []
+        here = git_commit()
+        self._commits = [*earlier, *([here] if here and here not in earlier else [])]
         config_path = self.run_dir / "config.yaml"
         write_atomic(config_path, yaml.safe_dump(to_dict(sim.cfg), sort_keys=False).encode())
         # RUNNING until the end of the run: a directory left RUNNING without its lock was killed.
@@ -226,6 +233,7 @@ class RunDirectory(Callback):
             "final": sim.result.final,
             "config": to_dict(sim.cfg),
             "versions": versions(),
+            "commits": self._commits,  # rayfl's code in each piece of a resumed run (in a repo)
         }
         if sim.result.error is not None:
             summary["error"] = sim.result.error

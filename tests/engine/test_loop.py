@@ -203,6 +203,23 @@ def test_a_resumed_run_sums_the_wall_time_of_its_pieces(synthetic_raw, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_resumed_run_lists_the_commit_of_each_piece(synthetic_raw, tmp_path, monkeypatch):
+    import rayfl.engine.callbacks as callbacks
+
+    def piece(rounds, resume, commit):
+        monkeypatch.setattr(callbacks, "git_commit", lambda: commit)
+        cfg = build_config(synthetic_raw, [f"engine.rounds={rounds}"])
+        run = [Checkpoint(tmp_path, 1, resume=resume), RunDirectory(tmp_path)]
+        Simulation(cfg, tmp_path, run).run()
+        return json.loads((tmp_path / "summary.json").read_text())["commits"]
+
+    assert piece(1, False, "a" * 40) == ["a" * 40]
+    assert piece(2, True, "b" * 40) == ["a" * 40, "b" * 40]
+    assert piece(3, True, "b" * 40) == ["a" * 40, "b" * 40]  # the same code again: listed once
+    assert piece(1, False, None) == []  # started afresh outside a repository
+
+
+@pytest.mark.slow
 def test_a_failed_run_records_its_error_in_summary_json(synthetic_raw, tmp_path):
     from rayfl.engine.callbacks import Callback
 
