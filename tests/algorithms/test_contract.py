@@ -210,25 +210,6 @@ def test_contract(name, tmp_path):
             torch.testing.assert_close(logits_of(model(x)), logits_of(other(x)), rtol=0, atol=0)
 
 
-# Algorithms also checked on the Ray executor (two workers, one client per call): the same
-# numbers as the serial executor, round by round. A new algorithm adds its name.
-RAY_CONTRACT = ["fedgen", "fedl2g", "fedmrl"]
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("name", RAY_CONTRACT)
-def test_ray_executor_gives_the_serial_numbers(name, tmp_path, ray_local):
-    raw = contract_raw(name)
-    serial = Simulation(build_config(raw), tmp_path / "serial").run().history
-    raw["engine"].update(executor="ray", num_workers=2, clients_per_call=1)
-    on_ray = Simulation(build_config(raw), tmp_path / "ray").run().history
-
-    def comparable(row: Mapping[str, float]) -> dict[str, float]:
-        return {k: v for k, v in row.items() if not k.startswith("time/")}
-
-    assert [comparable(r) for r in serial] == [comparable(r) for r in on_ray]
-
-
 @pytest.mark.parametrize("name", [n for n in NAMES if ALGORITHMS.get(n).needs_common_feature_dim])
 def test_common_feature_size_is_required(name, tmp_path):
     raw = contract_raw(name, ["cnn1", "mlp"])  # feature sizes 500 and 128
