@@ -64,8 +64,7 @@ class PFedESInputClient(PFedESClient):
 
     def fit(self, trainer: Trainer) -> dict[str, float]:
         # stage 1 trains F with G frozen, stage 2 trains G through a frozen F.
-        self.proxy.eval()
-        stage1 = trainer.run(self._stage1_step, [self.model])
+        stage1 = self._stage1(trainer)
         self.model.eval()
         epochs = self.params.proxy_epochs
         epochs = self.ctx.train.local_epochs + 10 if epochs is None else epochs
@@ -82,6 +81,9 @@ class PFedESInputClient(PFedESClient):
     def fit_cut_off(self, trainer: Trainer) -> dict[str, float]:
         """Stage 1 only: stage 2 changes G alone, which is uploaded and replaced by the next
         broadcast (F is frozen and in eval mode; the trainer's shuffling is seeded per round)."""
+        return self._stage1(trainer)
+
+    def _stage1(self, trainer: Trainer) -> dict[str, float]:
         self.proxy.eval()
         return trainer.run(self._stage1_step, [self.model])
 

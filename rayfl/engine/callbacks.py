@@ -19,10 +19,10 @@ import yaml
 
 from rayfl.data.federated import save_partition
 from rayfl.engine.hooks import Callback
+from rayfl.engine.rundir import read_summary
 from rayfl.gate import write as write_atomic
 from rayfl.schema import RunConfig, to_dict
 from rayfl.tables import read_table, strict_json, write_table
-from rayfl.engine.rundir import read_summary
 from rayfl.tracking.plots import plot_run
 from rayfl.tracking.provenance import git_commit
 from rayfl.version import __version__
