@@ -186,8 +186,9 @@ def _final_clients(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in CLIENT_KEYS} for r in rows if r["round"] == last]
 
 
-def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str, Any] | None:
-    """The part's result file's content, or None while a run of it is unfinished."""
+def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
+    """The part's result file's content, or None while a run of it is unfinished. Its `wall_s`
+    sums its runs' own wall times (each over its resumed pieces)."""
     import pyarrow.parquet as pq
 
     out = RUNS / table.name / part
@@ -232,7 +233,7 @@ def collect_part(table: Table, part: str, code: str, wall_s: float) -> dict[str,
         "group": group,
         "commit": code,
         "command": " ".join(table.command(part)[2:]).replace("rayfl.cli", "rayfl", 1),
-        "wall_s": round(wall_s),
+        "wall_s": round(sum(r["final"].get("time/wall_s", 0.0) for r in runs)),
         "runs": runs,
     }
 
@@ -273,13 +274,12 @@ def run_part(table: Table, part: str, code: str, log: Any, parts: Parts) -> bool
     """Runs (or resumes) one part and writes its result file; False when it did not finish."""
     if table.result(part).is_file():  # another `run` finished it meanwhile
         return True
-    start = time.monotonic()
     with (RUNS / table.name / f"{part}.log").open("a") as out:
         proc = parts.start(table.command(part), out)
         if proc is None:
             return False
         rc = parts.wait(proc)
-    data = collect_part(table, part, code, time.monotonic() - start)
+    data = collect_part(table, part, code)
     if rc != 0 or data is None:
         log(f"{table.name}/{part}: not finished (exit {rc}); rerun to resume")
         return False
