@@ -267,6 +267,13 @@ def plan_section(table: Any) -> list[str]:
         out += [f"**{setting}**", ""] if setting else []
         header = ["method", "seeds", metric, *headers, f"paired Δ vs {best} (seeds)", "per seed"]
         out += md_table(header, body)
+        diverged = [f"{r['label']} seed {r['seed']}" for r in group if r.get("nonfinite")]
+        if diverged:
+            out += [
+                "",
+                f"**Non-finite final metrics (a client's training diverged):** "
+                f"{', '.join(diverged)}.",
+            ]
         if spec.get("per_round"):
             out += ["", f"Per round, `{metric}` (%) and the paired Δ to {best}:", ""]
             out += per_round_table(group, metric, spec["baselines"])

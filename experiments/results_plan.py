@@ -222,6 +222,8 @@ def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
                 ],
                 "clients": _final_clients(run_dir),
                 "commits": [c[:7] for c in summary.get("commits", [])],
+                # summary.json writes NaN and inf as null: a client's training diverged
+                "nonfinite": sorted(k for k, v in summary.get("final", {}).items() if v is None),
             }
         )
     setting, seed, group = split_part(part)

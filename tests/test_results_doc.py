@@ -73,6 +73,8 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
         (tmp_path / "t").mkdir()
         for seed, accs, gain in [(0, (0.80, 0.70, 0.85), 1.5), (1, (0.90, 0.86, 0.89), 2.5)]:
             part = _part(seed, dict(zip("abm", accs)), gain)
+            if seed == 1:
+                part["runs"][1]["nonfinite"] = ["train/loss"]  # b's training diverged
             (tmp_path / "t" / f"x-s{seed}.json").write_text(json.dumps(part))
         text = "\n".join(make_results.plan_section(table))
     finally:
@@ -82,6 +84,7 @@ def test_a_plan_table_shows_its_parts_means_and_paired_differences(make_results,
     # a: 85.0 ± 7.1; m - a per seed +5.0, -1.0 (mean +2.0, std 4.2); m's gain 2.0 ± 0.7 points
     assert "| a | 2 | 85.0 ± 7.1 | – | best baseline |  |" in text
     assert "| m | 2 | 87.0 ± 2.8 | +2.0 ± 0.7 | +2.0 ± 4.2 (2) | +5.0, -1.0 |" in text
+    assert "**Non-finite final metrics (a client's training diverged):** b seed 1." in text
 
 
 def test_a_controlled_table_shows_each_seeds_gains_and_their_mean(make_results, tmp_path):
