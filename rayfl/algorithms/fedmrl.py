@@ -15,7 +15,8 @@ model is `F_hd(P([G_ex(x), F_ex(x)]))` with the latest global `G`, as both codes
 
 Shares: the small homogeneous model `G` (extractor and header), both ways.
 Keeps local: the heterogeneous model `F` and the projector `P`.
-Server: sample-weighted average of the clients' `G` (scored alone as `global/acc`).
+Server: sample-weighted average of the clients' `G`, not scored alone: `G`'s header only ever
+reads the fused representation `r[:, :d1]`, never `G`'s own features (alone it scores near chance).
 
 The shared model is the architecture `extractor` (default: the federation's smallest, as FML's
 meme). With `sub_feature_dim` below its feature size, its features are average-pooled to that
@@ -153,6 +154,8 @@ class FedMRLClient(ModelClient[FedMRLParams]):
 
 
 class FedMRLServer(AveragingServer[FedMRLParams]):
+    scored = False  # `G` classifies only through a client's projector
+
     def __init__(self, ctx: ServerContext, params: FedMRLParams) -> None:
         model = shared_model(params, ctx.architectures, ctx.in_shape, ctx.num_classes)
         for arch in sorted(set(ctx.architectures)):  # refused here, before any client trains
