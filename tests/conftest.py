@@ -173,6 +173,27 @@ def synthetic_raw():
     return copy.deepcopy(SYNTHETIC)
 
 
+@pytest.fixture(scope="session")
+def _empty_mlflow_store(tmp_path_factory):
+    """An MLflow SQLite store with MLflow's schema and nothing else, made once per process:
+    a fresh file runs MLflow's schema migrations, several seconds each time."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow_store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, _empty_mlflow_store):
+    """`sqlite:///<tmp_path>/mlflow.db`: a new, empty MLflow store of this test."""
+    import shutil
+
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(_empty_mlflow_store, db)
+    return f"sqlite:///{db}"
+
+
 @pytest.fixture
 def victim(tmp_path):
     """A file beside the folder a test plants into; no rayfl command may read or change it."""

@@ -59,7 +59,7 @@ def test_run_returns_the_result_and_raises_config_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_api_docs_examples_run(tmp_path):
+def test_the_api_docs_examples_run(tmp_path, mlflow_uri):
     """Every ```python block of docs/api.md, in order, in one interpreter, from a copy of the
     repository's docs/examples (so runs/ and mlflow.db land in tmp_path)."""
     shutil.copytree(ROOT / "docs" / "examples", tmp_path / "docs" / "examples")
@@ -68,7 +68,7 @@ def test_the_api_docs_examples_run(tmp_path):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "MLFLOW_TRACKING_URI": mlflow_uri,
     }
     proc = subprocess.run(
         [sys.executable, "-c", "\n".join(blocks)],

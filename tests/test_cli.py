@@ -26,12 +26,12 @@ def rayfl(*args, cwd=ROOT, env=None, timeout=300):
     )
 
 
-def test_run_logs_to_mlflow_and_writes_the_run_directory(tmp_path):
+def test_run_logs_to_mlflow_and_writes_the_run_directory(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     cfg = tmp_path / "exp.yaml"
     cfg.write_text(yaml.safe_dump(SYNTHETIC))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     out = tmp_path / "run"
     proc = rayfl(
         "run",

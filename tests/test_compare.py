@@ -127,10 +127,10 @@ def test_aggregate_golden():
 
 
 @pytest.mark.slow
-def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path):
+def test_run_suite_writes_tables_and_mlflow_parent_and_children(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     path = write_suite(tmp_path)
     out = tmp_path / "out"
     table = run_suite(

@@ -26,9 +26,9 @@ def suite_runs(uri):
 
 @pytest.mark.parametrize("checkpoint_every", [1, 0])
 def test_interrupted_suite_resumes_into_one_parent_with_every_child_finished(
-    tmp_path, checkpoint_every
+    tmp_path, checkpoint_every, mlflow_uri
 ):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     path = write_suite(tmp_path)
     over = [
         "tracking.backend=mlflow",

@@ -225,14 +225,14 @@ def test_tune_report_sends_evaluated_rounds_and_refuses_a_missing_metric() -> No
 
 @pytest.mark.ray
 def test_tiny_sweep_writes_results_best_config_and_mlflow_runs(
-    ray_local, tmp_path, synthetic_raw
+    ray_local, tmp_path, synthetic_raw, mlflow_uri
 ) -> None:
     from mlflow import MlflowClient
 
     from rayfl.tune import sweep_and_report
 
     raw = copy.deepcopy(synthetic_raw)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     raw["tracking"] = {"backend": "mlflow", "experiment": "sweep_test", "uri": uri}
     raw["algorithm"]["beta"] = 0.5
     store = tmp_path / "store"  # tune.storage: where Tune keeps the experiment (s3://... on AWS)

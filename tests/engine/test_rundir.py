@@ -100,12 +100,12 @@ def test_a_failed_resume_leaves_summary_and_metrics_alone(synthetic_raw, tmp_pat
 
 
 @pytest.mark.slow
-def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path, monkeypatch):
+def test_ls_runs_marks_a_killed_run_killed_here_and_in_mlflow(tmp_path, monkeypatch, mlflow_uri):
     from mlflow import MlflowClient
 
     from rayfl.tracking.mlflow import MlflowTracker
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the user's own store
     tracker = MlflowTracker(experiment="ls", tracking_uri=uri)  # never closed: a killed driver
     runs = tmp_path / "runs"

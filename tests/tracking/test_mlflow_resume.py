@@ -17,14 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
+def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     from rayfl.config import build_config
     from rayfl.engine.rundir import read_mlflow_run
     from rayfl.launch import simulate
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=resume"]
     out = tmp_path / "run"
     first = simulate(
@@ -89,12 +89,12 @@ def test_two_processes_creating_one_fresh_sqlite_store_both_succeed(tmp_path):
     assert sorted(r.info.run_name for r in runs) == ["p0", "p1"]
 
 
-def test_mark_killed_only_touches_running_runs(tmp_path):
+def test_mark_killed_only_touches_running_runs(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     from rayfl.tracking.mlflow import mark_killed
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     alive = MlflowTracker(experiment="k", tracking_uri=uri)
     done = MlflowTracker(experiment="k", tracking_uri=uri)
     done.close("FINISHED")
@@ -105,14 +105,14 @@ def test_mark_killed_only_touches_running_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
+def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path, mlflow_uri):
     import pytest
     from mlflow import MlflowClient
 
     from rayfl.config import build_config
     from rayfl.launch import simulate
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=relog"]
     out = tmp_path / "run"
     cfg = build_config(SYNTHETIC, [*track, "engine.rounds=4", "engine.checkpoint_every=1"])
@@ -129,7 +129,7 @@ def test_a_resume_relogs_the_rounds_mlflow_missed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_run_ends_its_mlflow_run_failed_with_the_error(tmp_path):
+def test_a_failed_run_ends_its_mlflow_run_failed_with_the_error(tmp_path, mlflow_uri):
     import json
 
     import pytest
@@ -143,7 +143,7 @@ def test_a_failed_run_ends_its_mlflow_run_failed_with_the_error(tmp_path):
         def on_round_end(self, sim, round_idx, metrics):
             raise RuntimeError("disk on fire")
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     track = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=failed"]
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="disk on fire"):

@@ -28,11 +28,11 @@ def test_bookkeeping_keys_are_not_params():
 
 
 @pytest.fixture
-def tracked_run(tmp_path, monkeypatch):
+def tracked_run(tmp_path, monkeypatch, mlflow_uri):
     from rayfl.launch import simulate
 
     monkeypatch.setenv("RAYFL_COMMAND", "rayfl run exp.yaml engine.rounds=2")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     over = ["tracking.backend=mlflow", f"tracking.uri={uri}", "tracking.experiment=prov"]
     parent = simulate(build_config(SYNTHETIC, over), tmp_path / "a", progress=False)
     child = simulate(
