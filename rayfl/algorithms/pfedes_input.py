@@ -68,10 +68,14 @@ class PFedESInputClient(PFedESClient):
         self.model.eval()
         epochs = self.params.proxy_epochs
         epochs = self.ctx.train.local_epochs + 10 if epochs is None else epochs
-        if self.params.shared_optimizer:
-            stage2 = self._stage2_shared(trainer, epochs)
-        else:
-            stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
+        self.model.requires_grad_(False)  # gradients flow through F to G; F computes none
+        try:
+            if self.params.shared_optimizer:
+                stage2 = self._stage2_shared(trainer, epochs)
+            else:
+                stage2 = trainer.run(self._stage2_step, [self.proxy], epochs=epochs)
+        finally:
+            self.model.requires_grad_(True)
         if self.params.weights == "all":
             self.weight = float(
                 trainer.num_samples + sum(len(y) for _, y in trainer.batches("test"))
@@ -100,21 +104,17 @@ class PFedESInputClient(PFedESClient):
                 np.array(buf), device=named[name].device
             )
         self.proxy.train()
-        self.model.requires_grad_(False)  # gradients flow through F to G; F takes none
         total, count = 0.0, 0
-        try:
-            for _ in range(epochs):
-                for x, y in trainer.batches("train", shuffle=True):
-                    loss = self._stage2_step(x, y)
-                    sgd.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if s.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(self.proxy.parameters(), s.grad_clip)
-                    sgd.step()
-                    total += float(loss.detach()) * len(y)
-                    count += len(y)
-        finally:
-            self.model.requires_grad_(True)
+        for _ in range(epochs):
+            for x, y in trainer.batches("train", shuffle=True):
+                loss = self._stage2_step(x, y)
+                sgd.zero_grad(set_to_none=True)
+                loss.backward()
+                if s.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(self.proxy.parameters(), s.grad_clip)
+                sgd.step()
+                total += float(loss.detach()) * len(y)
+                count += len(y)
         self.momentum = {
             name: sgd.state[p]["momentum_buffer"].detach().cpu().numpy().copy()
             for name, p in named.items()
