@@ -45,6 +45,19 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
         raise
 
 
+def ray_get_first(refs: Sequence[Any]) -> Any:
+    """`ray_get` of the first of one call's returns. When it raises, the call's other returns
+    (the same error, or not made yet) are read and dropped: Ray would otherwise print each as an
+    unhandled error, with its remote traceback, whenever it is freed."""
+    try:
+        return ray_get(refs[0])
+    except BaseException:
+        for ref in refs[1:]:
+            with suppress(Exception):
+                ray.get(ref, timeout=0)
+        raise
+
+
 class RayExecutor(Executor):
     """Workers on Ray; the server in the driver (`local`, a `ServerRunner`) or in a server actor,
     with an evaluation actor for its pipelined scoring.
@@ -206,7 +219,7 @@ class RayExecutor(Executor):
                 round_idx, list(archs)
             )
             self._start_final_scoring()  # queued behind the broadcast, not ahead of it
-            return ray_get(refs[0]), dict(zip(archs, refs[1:]))
+            return ray_get_first(refs), dict(zip(archs, refs[1:]))
 
         return self._with_server("broadcast", call)
 
@@ -225,7 +238,7 @@ class RayExecutor(Executor):
             )
 
         def record(batch: list[int], refs: Any) -> None:
-            metrics.extend(ray_get(refs[0]))
+            metrics.extend(ray_get_first(refs))
             reply_refs.append(refs[1])
             self.states.update(zip(batch, refs[2:]))
             self._report("fit", len(metrics), len(client_ids))
@@ -261,7 +274,7 @@ class RayExecutor(Executor):
             metrics, state = self.server.step_and_state.options(num_returns=2).remote(
                 round_idx, evaluate, *replies
             )
-            out = ray_get(metrics)
+            out = ray_get_first([metrics, state])
             self._server_state = state
             return out
 
@@ -281,7 +294,7 @@ class RayExecutor(Executor):
                 metrics, state, models = self.server.step_deferred.options(num_returns=3).remote(
                     round_idx, evaluate, *replies
                 )
-                out = ray_get(metrics)
+                out = ray_get_first([metrics, state, models])
                 self._server_state = state
             if not evaluate:
                 return out, None
