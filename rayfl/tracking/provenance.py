@@ -8,6 +8,7 @@ Pure Python (no MLflow import): the MLflow tracker turns these into MLflow's res
 from __future__ import annotations
 
 import dataclasses
+import functools
 import getpass
 import os
 import shlex
@@ -36,8 +37,11 @@ def command_line() -> str:
     return shlex.join(argv) if argv else "python"
 
 
+@functools.cache
 def git_commit(path: str | Path | None = None) -> str | None:
-    """HEAD of the git repository holding `path` (default: the rayfl package), or None."""
+    """HEAD of the git repository holding `path` (default: the rayfl package), or None. Read once
+    per process: the commit of the code it imported, even if a later commit moves HEAD (a Tune
+    trial process is reused for run after run), and one `git` call, not one per run."""
     where = Path(path) if path else Path(__file__).resolve().parent
     try:
         out = subprocess.run(
