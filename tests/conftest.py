@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,8 +28,12 @@ for _key, _value in PORTABLE_CPU_ENV.items():
     os.environ.setdefault(_key, _value)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests pass their own URIs
-# a key of the session's own (rayfl.gate): children and Ray workers inherit it
-os.environ.setdefault("RAYFL_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="rayfl-key-"), "key"))
+# a key of the session's own (rayfl.gate): children and Ray workers inherit it; the process that
+# made its folder (xdist's controller, or a plain run) removes it at the end
+_KEY_DIR = None
+if "RAYFL_KEY_FILE" not in os.environ:
+    _KEY_DIR = tempfile.mkdtemp(prefix="rayfl-key-")
+    os.environ["RAYFL_KEY_FILE"] = os.path.join(_KEY_DIR, "key")
 
 
 @pytest.fixture
@@ -53,6 +58,8 @@ def pytest_sessionfinish(session, exitstatus):
     ray = sys.modules.get("ray")  # only if a test imported it
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+    if _KEY_DIR is not None and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_KEY_DIR, ignore_errors=True)
 
 
 SLOW_FIXTURES = {"ray_local"}
