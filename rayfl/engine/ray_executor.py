@@ -133,7 +133,7 @@ class RayExecutor(Executor):
             for ref in ready:
                 with suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     ray_get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            self._await_started()
+            self._await_started(deadline)
 
     def _new_server(self) -> None:
         with suppress(Exception):
@@ -145,12 +145,13 @@ class RayExecutor(Executor):
             server.device.remote() if state is None else server.load_state_dict.remote(state)
         )
 
-    def _await_started(self) -> None:
+    def _await_started(self, deadline: float | None = None) -> None:
         """Wait until every worker and the server answer (Ray restarts workers that die; a
-        server actor that died is replaced here); a UserError past `engine.startup_timeout_s` or
-        when they keep dying."""
+        server actor that died is replaced here); a UserError past `deadline` (default:
+        `engine.startup_timeout_s` from now) or when they keep dying."""
         e = self.spec.engine
-        deadline = time.monotonic() + e.startup_timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + e.startup_timeout_s
         for _ in range(e.max_retries + 1):
             probes = [w.info.remote(self._setup) for w in self.workers]
             if self._server_ready is not None:
@@ -162,9 +163,12 @@ class RayExecutor(Executor):
                 except ray.exceptions.GetTimeoutError:
                     raise UserError(
                         f"the Ray workers and server did not start within "
-                        f"engine.startup_timeout_s={e.startup_timeout_s:g} s (the cluster lacks "
-                        "free resources or is overloaded; `ray status` shows them); raise "
-                        "engine.startup_timeout_s or lower engine.num_workers / engine.worker_resources"
+                        f"engine.startup_timeout_s={e.startup_timeout_s:g} s: the cluster lacks "
+                        "free resources or is overloaded (`ray status` shows them; raise "
+                        "engine.startup_timeout_s or lower engine.num_workers / "
+                        "engine.worker_resources), or a node's Ray workers cannot import rayfl "
+                        "or a plugin (Ray printed the import error above; install rayfl and the "
+                        "plugins' files on every node)"
                     ) from None
                 except ray.exceptions.RayActorError:
                     if i < len(self.workers):  # Ray gave up on it: more deaths than retries
