@@ -58,7 +58,7 @@ def pytest_sessionfinish(session, exitstatus):
     ray = sys.modules.get("ray")  # only if a test imported it
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-    if _KEY_DIR is not None and not hasattr(session.config, "workerinput"):
+    if _KEY_DIR is not None:
         shutil.rmtree(_KEY_DIR, ignore_errors=True)
 
 
