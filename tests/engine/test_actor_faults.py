@@ -2,6 +2,7 @@
 time-outs. Each ends in identical numbers or in one line naming the fix."""
 
 import dataclasses
+import gc
 import time
 
 import pytest
@@ -64,8 +65,6 @@ def test_a_failed_server_step_leaves_no_unhandled_ray_error_behind(
     ray_local, synthetic_raw, tmp_path, capsys
 ):
     # the step's other returns hold the same error: Ray prints each one it frees unread
-    import gc
-
     cfg = build_config(synthetic_raw, ["engine.executor=ray", "engine.server_in=actor"])
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, min_replies=7))
     with pytest.raises(RoundFailed):
