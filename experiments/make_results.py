@@ -274,10 +274,50 @@ def plan_section(table: Any) -> list[str]:
                 f"**Non-finite final metrics (a client's training diverged):** "
                 f"{', '.join(diverged)}.",
             ]
+        out += one_class_line(group)
         if spec.get("per_round"):
             out += ["", f"Per round, `{metric}` (%) and the paired Δ to {best}:", ""]
             out += per_round_table(group, metric, spec["baselines"])
     return out
+
+
+def one_class_clients(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The run's clients whose final accuracy is at most the share of their commonest test class
+    (what always predicting that class scores): a model collapsed to one class scores so. Clients
+    holding a single class, and part files without the shares, give none."""
+    return [
+        c
+        for c in run.get("clients", [])
+        if c.get("commonest") is not None
+        and c["commonest"] < 1.0
+        and c["acc"] is not None
+        and c["acc"] <= c["commonest"]
+    ]
+
+
+def one_class_line(runs: Sequence[Mapping[str, Any]], detail: int = 3) -> list[str]:
+    """Per method, the clients no better than a one-class guess, summed over seeds; each named
+    (seed, client, architecture, accuracy) where a method has at most `detail` of them."""
+    found: dict[str, list[str]] = {}
+    for r in runs:
+        for c in one_class_clients(r):
+            found.setdefault(r["label"], []).append(
+                f"s{r['seed']} c{c['client']} {c['arch']} "
+                f"{100 * c['acc']:.1f}/{100 * c['commonest']:.1f}%"
+            )
+    if not found:
+        return []
+    items = [
+        f"{label} {len(names)}" + (f" ({'; '.join(names)})" if len(names) <= detail else "")
+        for label, names in found.items()
+    ]
+    return [
+        "",
+        "Clients scoring no better than always predicting their commonest test class (final "
+        "round, summed over seeds; clients holding one class left out; where a method has at "
+        f"most {detail}: seed, client, architecture, accuracy / that class's share): "
+        f"{', '.join(items)}.",
+    ]
 
 
 def per_round_table(

@@ -175,7 +175,23 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _final_clients(run_dir: Path) -> list[dict[str, Any]]:
+def commonest_share(run_dir: Path) -> dict[int, float]:
+    """Each client's share of its commonest test class (what a model that predicts one class
+    scores at best), from the run's `class_counts.parquet`."""
+    import pyarrow.parquet as pq
+
+    path = run_dir / "class_counts.parquet"
+    if not path.is_file():
+        return {}
+    counts: dict[int, list[int]] = {}
+    for r in pq.read_table(path).to_pylist():
+        if r["split"] == "test":
+            counts.setdefault(int(r["client"]), []).append(int(r["count"]))
+    return {c: max(v) / sum(v) for c, v in counts.items() if sum(v)}
+
+
+def final_clients(run_dir: Path) -> list[dict[str, Any]]:
+    """The last round's per-client rows, each with its `commonest` test-class share."""
     import pyarrow.parquet as pq
 
     path = run_dir / "clients.parquet"
@@ -183,7 +199,12 @@ def _final_clients(run_dir: Path) -> list[dict[str, Any]]:
         return []
     rows = pq.read_table(path).to_pylist()
     last = max(r["round"] for r in rows)
-    return [{k: r.get(k) for k in CLIENT_KEYS} for r in rows if r["round"] == last]
+    share = commonest_share(run_dir)
+    return [
+        {**{k: r.get(k) for k in CLIENT_KEYS}, "commonest": share.get(int(r["client"]))}
+        for r in rows
+        if r["round"] == last
+    ]
 
 
 def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
@@ -220,7 +241,7 @@ def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
                     {k: v for k, v in h.items() if v is not None and matches(k, ["round", *wanted])}
                     for h in history
                 ],
-                "clients": _final_clients(run_dir),
+                "clients": final_clients(run_dir),
                 "commits": [c[:7] for c in summary.get("commits", [])],
                 # summary.json writes NaN and inf as null: a client's training diverged
                 "nonfinite": sorted(k for k, v in summary.get("final", {}).items() if v is None),

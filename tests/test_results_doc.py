@@ -186,3 +186,28 @@ def test_stopping_the_plan_stops_its_running_parts_and_starts_no_other(make_resu
         assert [parts.wait(p) for p in running if p is not None] == [-2, -2]  # SIGINT
         assert parts.start(["sleep", "60"], out) is None
     assert parts.running == set()
+
+
+def test_clients_no_better_than_a_one_class_guess_are_named(make_results, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import results_plan
+
+    # client 0 holds classes 1 and 9 (300 + 300 test images), client 1 only class 3
+    rows = [(0, "test", 1, 300), (0, "test", 9, 300), (0, "train", 1, 1200), (1, "test", 3, 40)]
+    rows += [(1, "test", 9, 0)]
+    columns = dict(zip(("client", "split", "class", "count"), map(list, zip(*rows))))
+    pq.write_table(pa.table(columns), tmp_path / "class_counts.parquet")
+    assert results_plan.commonest_share(tmp_path) == {0: 0.5, 1: 1.0}
+
+    def client(cid, acc, commonest):
+        return {"client": cid, "arch": "cnn4", "acc": acc, "commonest": commonest}
+
+    collapsed = {"label": "m", "seed": 1, "clients": [client(13, 0.0, 0.5), client(2, 1.0, 1.0)]}
+    fine = {"label": "a", "seed": 1, "clients": [client(13, 0.98, 0.5), client(2, 1.0, None)]}
+    # a client that holds one class, or a part file without the shares, is never named
+    assert make_results.one_class_line([fine]) == []
+    text = "\n".join(make_results.one_class_line([fine, collapsed]))
+    assert text.endswith(": m 1 (s1 c13 cnn4 0.0/50.0%).")
+    many = {**collapsed, "clients": [client(i, 0.4, 0.5) for i in range(4)]}
+    assert "\n".join(make_results.one_class_line([many])).endswith(": m 4.")
