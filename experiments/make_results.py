@@ -296,8 +296,14 @@ def one_class_clients(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def one_class_line(runs: Sequence[Mapping[str, Any]], detail: int = 3) -> list[str]:
-    """Per method, the clients no better than a one-class guess, summed over seeds; each named
-    (seed, client, architecture, accuracy) where a method has at most `detail` of them."""
+    """What always predicting each client's commonest test class scores (unweighted mean over
+    the runs' clients), and per method the clients no better than that, summed over seeds; each
+    named (seed, client, architecture, accuracy) where a method has at most `detail` of them."""
+    shares = [
+        c["commonest"] for r in runs for c in r.get("clients", []) if c.get("commonest") is not None
+    ]
+    if not shares:
+        return []
     found: dict[str, list[str]] = {}
     for r in runs:
         for c in one_class_clients(r):
@@ -305,18 +311,19 @@ def one_class_line(runs: Sequence[Mapping[str, Any]], detail: int = 3) -> list[s
                 f"s{r['seed']} c{c['client']} {c['arch']} "
                 f"{100 * c['acc']:.1f}/{100 * c['commonest']:.1f}%"
             )
-    if not found:
-        return []
     items = [
         f"{label} {len(names)}" + (f" ({'; '.join(names)})" if len(names) <= detail else "")
         for label, names in found.items()
     ]
     return [
         "",
-        "Clients scoring no better than always predicting their commonest test class (final "
-        "round, summed over seeds; clients holding one class left out; where a method has at "
-        f"most {detail}: seed, client, architecture, accuracy / that class's share): "
-        f"{', '.join(items)}.",
+        "Always predicting each client's commonest test class would score "
+        f"{100 * statistics.fmean(shares):.1f}% (unweighted mean over clients and seeds). "
+        "Clients no better than that guess on their own test set (final round, summed over "
+        "seeds; clients holding one class left out; where a method has at most "
+        f"{detail}: seed, client, architecture, accuracy / that class's share): "
+        f"{', '.join(items) or 'none'}.",
+        "",
     ]
 
 

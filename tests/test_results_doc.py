@@ -206,8 +206,10 @@ def test_clients_no_better_than_a_one_class_guess_are_named(make_results, tmp_pa
     collapsed = {"label": "m", "seed": 1, "clients": [client(13, 0.0, 0.5), client(2, 1.0, 1.0)]}
     fine = {"label": "a", "seed": 1, "clients": [client(13, 0.98, 0.5), client(2, 1.0, None)]}
     # a client that holds one class, or a part file without the shares, is never named
-    assert make_results.one_class_line([fine]) == []
-    text = "\n".join(make_results.one_class_line([fine, collapsed]))
+    assert make_results.one_class_line([{**fine, "clients": [client(2, 1.0, None)]}]) == []
+    assert "\n".join(make_results.one_class_line([fine])).strip().endswith(": none.")
+    text = "\n".join(make_results.one_class_line([fine, collapsed])).strip()
+    assert "would score 66.7% (unweighted" in text  # mean of 0.5, 0.5 and 1.0 (None left out)
     assert text.endswith(": m 1 (s1 c13 cnn4 0.0/50.0%).")
     many = {**collapsed, "clients": [client(i, 0.4, 0.5) for i in range(4)]}
-    assert "\n".join(make_results.one_class_line([many])).endswith(": m 4.")
+    assert "\n".join(make_results.one_class_line([many])).strip().endswith(": m 4.")
