@@ -398,7 +398,12 @@ def page() -> str:
         elif table.spec.get("render") == "devices":
             out += devices_section(section_data(table))
         else:
-            out += plan_section(table)
+            out += plan_section(table)  # the guess per setting, under each setting's table
+            continue
+        runs = plan_runs(table)[1]
+        for setting in dict.fromkeys(r["setting"] for r in runs):
+            out += [f"\n**{setting}**" if setting else ""]
+            out += one_class_line([r for r in runs if r["setting"] == setting])
     if (RESULTS / "peers").is_dir():  # experiments/peers/report.py renders them (no torch)
         from peers import report
 
