@@ -26,7 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from results_plan import load_plan, matches  # noqa: E402  (the declared tables and their parts)
+# the declared tables and their parts
+from results_plan import load_plan, matches, run_commits  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -206,12 +207,52 @@ def _cell(values: Sequence[float], key: str) -> str:
 def part_commits(parts: Sequence[Mapping[str, Any]]) -> list[str]:
     """The commits the parts' runs ran at (each piece of each run), and the one the plan recorded
     at collection for a part with runs that list none (made before runs recorded theirs)."""
-    found = set()
-    for part in parts:
-        found |= {c for r in part["runs"] for c in r.get("commits", [])}
-        if not all(r.get("commits") for r in part["runs"]):
-            found.add(part["commit"])
-    return sorted(found)
+    return sorted({c for part in parts for c in run_commits(part)})
+
+
+def code_note(table: Any, commits: Sequence[str]) -> str:
+    """Whether the commits the table's runs ran at give the numbers of the code `verify` last
+    checked them against, from the table's `code.json`."""
+    how = f"`python3 experiments/results_plan.py verify {table.name}`"
+    path = table.code_file()
+    checked = json.loads(path.read_text()) if path.is_file() else {"commits": {}}
+    verdicts = checked["commits"]
+    same = [c for c in commits if verdicts.get(c, {}).get("equal")]
+    differ = [c for c in commits if c in verdicts and not verdicts[c].get("equal")]
+    unchecked = [c for c in commits if c not in verdicts]
+    if not verdicts:
+        return f"Not checked against the current code ({how})."
+    out = [
+        f"Checked against `{checked['code']}` by {how} (one part of each setting and method group rerun at "
+        f"each commit and at `{checked['code']}`, cut to {' '.join(checked['check'])}; final "
+        "metrics and per-client accuracies compared exactly):"
+    ]
+    if same:
+        out.append(f"the same numbers at {', '.join(f'`{c}`' for c in same)}")
+    for c in same:
+        if differences(verdicts[c]):  # metrics reported at one end only
+            out.append(f"at `{c}` {differences(verdicts[c])}")
+    for c in differ:
+        out.append(f"**different at `{c}`** ({differences(verdicts[c])})")
+    if unchecked:
+        out.append(f"not checked: {', '.join(f'`{c}`' for c in unchecked)}")
+    return out[0] + " " + "; ".join(out[1:]) + "."
+
+
+def differences(verdict: Mapping[str, Any], shown: int = 3) -> str:
+    """A commit's failed check in a few words: the error, or the first keys that differ."""
+    parts = verdict.get("parts", [])
+    if verdict.get("error") or any(p.get("error") for p in parts):
+        return "its check run failed; see code.json"
+    keys = [k for p in parts for k in p.get("differ", [])]
+    old = [k for p in parts for k in p.get("only_old", [])]
+    new = [k for p in parts for k in p.get("only_new", [])]
+    words = []
+    for what, found in (("differ", keys), ("reported then only", old), ("reported now only", new)):
+        if found:
+            more = f" and {len(found) - shown} more" if len(found) > shown else ""
+            words.append(f"{', '.join(f'`{k}`' for k in found[:shown])}{more} {what}")
+    return "; ".join(words)
 
 
 def plan_section(table: Any) -> list[str]:
@@ -231,7 +272,7 @@ def plan_section(table: Any) -> list[str]:
         + f"; a part is up to ~{table.max_part_cost_s() / 3600:.2f} core-hours (estimate from "
         "measured seconds per round).",
         f"- Code: commit{'s' if len(commits) > 1 else ''} "
-        f"{', '.join(f'`{c}`' for c in commits) or '–'}.",
+        f"{', '.join(f'`{c}`' for c in commits) or '–'}. {code_note(table, commits)}",
         f"- Command: `python3 experiments/results_plan.py run {table.name}` (runs only the "
         f"missing parts); one part: `{parts[0]['command'] if parts else table.name}`.",
         "",
@@ -373,7 +414,7 @@ def section_data(table: Any) -> dict[str, Any]:
     parts done), the first part's command, the commits, and the runs with their per-round
     history as `rounds`."""
     parts, runs = plan_runs(table)
-    commits = ", ".join(part_commits(parts))
+    commits = part_commits(parts)
     missing = table.missing()
     done = f"Parts done: {len(parts)} of {len(table.parts())}" + (
         f" (missing: {', '.join(missing)}); only the parts done are in the numbers."
@@ -382,9 +423,9 @@ def section_data(table: Any) -> dict[str, Any]:
     )
     return {
         "title": table.spec["title"] + (" — PARTIAL" if missing else ""),
-        "note": table.spec["what"].strip() + " " + done,
+        "note": table.spec["what"].strip() + " " + done + " " + code_note(table, commits),
         "command": parts[0]["command"] if parts else "?",
-        "commit": commits,
+        "commit": ", ".join(commits),
         "runs": [{**r, "rounds": r["history"]} for r in runs],
     }
 

@@ -5,6 +5,7 @@ missing.
     python3 experiments/results_plan.py status                  # parts done, estimated cost left
     python3 experiments/results_plan.py run --hours 2           # the missing parts that fit
     python3 experiments/results_plan.py run fedfd_cpu --jobs 2  # one table's missing parts
+    python3 experiments/results_plan.py verify                  # older parts against this code
     python3 experiments/make_results.py                         # docs/results.md from the files
 
 The tables are declared in `experiments/results_plan.yaml`. A part is one setting and one seed
@@ -21,6 +22,15 @@ per-client table, the commits each run's pieces ran at and the plan's own commit
 and models stay out of it. Parts run under `rayfl.seeding.PORTABLE_CPU_ENV`, so a part rerun
 on another x86-64 machine gives its numbers.
 
+`verify` says whether parts made at older commits hold for the current code: for each commit a
+table's runs ran at, it runs one part of each setting and method group (the command its file
+records) at that commit, in a temporary git worktree (given the files of experiments/ it lacks,
+as they are now), and the same part at the current code, both cut to the table's `check:` size (`CHECK` by default), and
+compares their final metrics and per-client accuracies exactly (the determinism contract: the
+same config and seed give the same numbers). A commit whose package and suites equal the
+current ones, with the same commands, needs no run. The verdicts go to
+`docs/results/plan/<table>/code.json`, which the page cites beside each table's commits.
+
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
 `sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
 of everything started so far fits in `H x jobs` core-hours.
@@ -32,9 +42,11 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +68,17 @@ SERIAL = [
     "engine.server_threads=1",  # parts run side by side: one torch thread each
     "engine.checkpoint_every=1",
     "tracking.backend=none",
+]
+# `verify`'s default size (a table's `check:` replaces it): it compares code, not results, and
+# two rounds on a thousand images take every step a method has (local training, the server's
+# step, the next round's download, evaluation)
+CHECK = ["engine.rounds=2", "data.train_samples=1000"]
+# what a part's numbers depend on besides its command (the plan's own file excluded)
+CODE_PATHS = [
+    "rayfl",
+    "experiments/suites",
+    ":(glob)experiments/*.yaml",
+    ":(exclude)experiments/results_plan.yaml",
 ]
 CLIENT_KEYS = ("client", "arch", "domain", "num_train", "num_test", "acc")
 
@@ -116,6 +139,15 @@ class Table:
     def result(self, part: str) -> Path:
         return RESULTS / self.name / f"{part}.json"
 
+    @property
+    def check(self) -> list[str]:
+        """The overrides that cut a part to `verify`'s size."""
+        return list(self.spec.get("check", CHECK))
+
+    def code_file(self) -> Path:
+        """`verify`'s verdicts on the commits the table's parts ran at."""
+        return RESULTS / self.name / "code.json"
+
     def command(self, part: str) -> list[str]:
         setting, seed, group = split_part(part)
         select = [f"seeds=[{seed}]"] + ([f"settings=[{setting}]"] if setting else [])
@@ -126,7 +158,7 @@ class Table:
             "-m",
             "rayfl.cli",
             "compare",
-            str(self.suite.relative_to(ROOT)),
+            str(self.suite.relative_to(ROOT) if self.suite.is_relative_to(ROOT) else self.suite),
             *select,
             f"engine.rounds={self.rounds}",
             *self.overrides,
@@ -162,16 +194,13 @@ def load_plan(path: Path = PLAN) -> list[Table]:
     return [Table(name, spec) for name, spec in raw["tables"].items()]
 
 
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
 def commit() -> str:
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "rayfl"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no", "rayfl").stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
@@ -259,6 +288,125 @@ def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
         "wall_s": round(sum(r["final"].get("time/wall_s", 0.0) for r in runs)),
         "runs": runs,
     }
+
+
+def run_commits(part: Mapping[str, Any]) -> list[str]:
+    """The commits a part's runs ran at; the plan's recorded one for runs that list none."""
+    found = {c for r in part["runs"] for c in r.get("commits", [])}
+    if not all(r.get("commits") for r in part["runs"]):
+        found.add(part["commit"])
+    return sorted(found)
+
+
+def final_numbers(out: Path) -> dict[str, float | None]:
+    """`label/metric` for each finished run of a `rayfl compare` folder's final metrics (timings
+    left out) and `label/client<k>/acc` for its last round's client accuracies."""
+    import pyarrow.parquet as pq
+
+    numbers: dict[str, float | None] = {}
+    for row in pq.read_table(out / "runs.parquet").to_pylist():
+        run_dir = Path(row["run_dir"])
+        final = json.loads((run_dir / "summary.json").read_text()).get("final", {})
+        label = row["label"]
+        numbers |= {f"{label}/{k}": v for k, v in final.items() if not k.startswith("time/")}
+        numbers |= {f"{label}/client{c['client']}/acc": c["acc"] for c in final_clients(run_dir)}
+    return numbers
+
+
+def compare_numbers(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """Equal when every number both report has the same value (a float's every bit); metrics
+    one of them no longer or not yet reports are listed, not counted against it."""
+    differ = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    only_old, only_new = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+    equal = bool(old.keys() & new.keys()) and not differ
+    return {
+        "equal": equal,
+        "numbers": len(old.keys() & new.keys()),
+        "differ": differ,
+        "only_old": only_old,
+        "only_new": only_new,
+    }
+
+
+def check_run(code: Path, args: Sequence[str], out: Path) -> dict[str, float | None]:
+    """Runs `rayfl <args>` with the package in `code`; its final numbers."""
+    env = {**PORTABLE_CPU_ENV, **os.environ, "PYTHONPATH": str(code)}
+    cmd = [sys.executable, "-m", "rayfl.cli", *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        raise RuntimeError(f"check run failed in {code}: {shlex.join(cmd)}\n{tail}")
+    return final_numbers(out)
+
+
+def part_args(command: str) -> list[str]:
+    """A recorded part command's arguments after `rayfl`, without its `--out`."""
+    args = shlex.split(command)[1:]
+    if "--out" in args:
+        i = args.index("--out")
+        del args[i : i + 2]
+    return args
+
+
+def missing_files(tree: Path) -> None:
+    """Copies into an older worktree the files of experiments/ it lacks (suites, configs,
+    plugins): a part started while its suite was not yet committed ran the files as they were
+    later committed."""
+    for name in git("ls-files", "experiments").stdout.split():
+        target = tree / name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((ROOT / name).read_bytes())
+
+
+def verify(table: Table, log: Any) -> dict[str, Any]:
+    """Each commit the table's parts ran at, checked against the current code (see the module's
+    docstring); writes and returns the table's `code.json`."""
+    files = {
+        p: json.loads(table.result(p).read_text())
+        for p in table.parts()
+        if table.result(p).is_file()
+    }
+    by_commit: dict[str, dict[tuple[str, str], str]] = {}  # commit -> (setting, group) -> part
+    for part, data in files.items():
+        setting, _, group = split_part(part)
+        for c in run_commits(data):
+            by_commit.setdefault(c, {}).setdefault((setting, group), part)
+    current: dict[str, dict[str, float | None]] = {}  # part -> the current code's numbers
+    checks: dict[str, Any] = {}
+    code = commit()
+    with tempfile.TemporaryDirectory(prefix="rayfl-verify-") as tmp:
+        for c, parts in sorted(by_commit.items()):
+            now = {p: table.command(p)[3:-2] for p in parts.values()}  # no python -m, --out
+            same_code = git("diff", "--quiet", c, "--", *CODE_PATHS).returncode == 0
+            if same_code and all(part_args(files[p]["command"]) == now[p] for p in now):
+                checks[c] = {"equal": True, "identical": True, "parts": []}
+                log(f"{table.name} {c}: the same package, suites and commands")
+                continue
+            tree = Path(tmp) / c
+            if git("worktree", "add", "--detach", str(tree), c).returncode != 0:
+                checks[c] = {"equal": False, "error": f"no commit {c} in this clone"}
+                continue
+            missing_files(tree)
+            results = []
+            try:
+                for part in parts.values():
+                    try:
+                        then = [*part_args(files[part]["command"]), *table.check]
+                        old = check_run(tree, then, tree / "out" / part)
+                        if part not in current:
+                            args = [*now[part], *table.check]
+                            current[part] = check_run(ROOT, args, Path(tmp) / "now" / part)
+                        results.append({"part": part, **compare_numbers(old, current[part])})
+                    except RuntimeError as exc:
+                        results.append({"part": part, "equal": False, "error": str(exc)})
+                    log(f"{table.name} {c} {part}: {'equal' if results[-1]['equal'] else 'DIFFER'}")
+            finally:
+                git("worktree", "remove", "--force", str(tree))
+            checks[c] = {"equal": all(r["equal"] for r in results), "parts": results}
+    data = {"code": code, "check": table.check, "commits": checks}
+    table.code_file().write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return data
 
 
 class Parts:
@@ -361,7 +509,7 @@ def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run the results plan's missing parts")
-    ap.add_argument("action", choices=["status", "run"])
+    ap.add_argument("action", choices=["status", "run", "verify"])
     ap.add_argument("tables", nargs="*", help="table names, run in this order (default: all)")
     ap.add_argument("--jobs", type=int, default=2, help="parts at a time (one core each)")
     ap.add_argument("--hours", type=float, default=2.0, help="wall-clock budget for `run`")
@@ -375,6 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [by_name[n] for n in args.tables] if args.tables else tables
     if args.action == "status":
         print("\n".join(status(chosen, args.jobs)))
+        return 0
+    if args.action == "verify":
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # removes its worktrees
+        for table in chosen:
+            verify(table, lambda msg: print(time.strftime("%H:%M:%S"), msg, flush=True))
         return 0
     return run(chosen, args.jobs, args.hours, args.parts or ())
 

@@ -213,3 +213,93 @@ def test_clients_no_better_than_a_one_class_guess_are_named(make_results, tmp_pa
     assert text.endswith(": m 1 (s1 c13 cnn4 0.0/50.0%).")
     many = {**collapsed, "clients": [client(i, 0.4, 0.5) for i in range(4)]}
     assert "\n".join(make_results.one_class_line([many])).strip().endswith(": m 4.")
+
+
+def test_a_table_says_which_commits_give_the_current_codes_numbers(make_results, tmp_path):
+    import results_plan
+
+    same = results_plan.compare_numbers(
+        {"a/acc": 0.5, "a/loss": 1.0}, {"a/acc": 0.5, "a/loss": 1.0}
+    )
+    assert same["equal"] and same["numbers"] == 2
+    moved = results_plan.compare_numbers({"a/acc": 0.5, "a/x": 1.0}, {"a/acc": 0.5000001})
+    assert not moved["equal"] and moved["differ"] == ["a/acc"] and moved["only_old"] == ["a/x"]
+    dropped = results_plan.compare_numbers({"a/acc": 0.5, "a/x": 1.0}, {"a/acc": 0.5})
+    assert dropped["equal"] and dropped["only_old"] == ["a/x"]  # a metric no longer reported
+    assert not results_plan.compare_numbers({}, {})["equal"]  # nothing compared proves nothing
+    assert results_plan.part_args("rayfl compare s.yaml seeds=[0] --out runs/x") == [
+        "compare",
+        "s.yaml",
+        "seeds=[0]",
+    ]
+    spec = {"suite": "s.yaml", "rounds": 2, "seeds": [0], "round_s": {"a": 1}}
+    table = results_plan.Table("t", spec)
+    original = results_plan.RESULTS
+    results_plan.RESULTS = tmp_path
+    try:
+        (tmp_path / "t").mkdir()
+        assert "Not checked against the current code" in make_results.code_note(table, ["c1"])
+        verdicts = {
+            "c1": {"equal": True, "parts": [{"part": "s0", "equal": True}]},
+            "c2": {"equal": False, "parts": [{**moved, "part": "s0"}]},
+            "c4": {"equal": True, "parts": [{**dropped, "part": "s0"}]},
+        }
+        code = {"code": "head", "check": ["engine.rounds=2"], "commits": verdicts}
+        table.code_file().write_text(json.dumps(code))
+        text = make_results.code_note(table, ["c1", "c2", "c3", "c4"])
+    finally:
+        results_plan.RESULTS = original
+    assert "Checked against `head`" in text and "cut to engine.rounds=2" in text
+    assert "the same numbers at `c1`, `c4`" in text and "not checked: `c3`" in text
+    assert "**different at `c2`** (`a/acc` differ; `a/x` reported then only)" in text
+    assert "at `c4` `a/x` reported then only" in text
+
+
+@pytest.mark.slow
+def test_verify_reruns_a_commits_parts_at_that_commit_and_now(make_results, tmp_path):
+    """End to end at this clone's HEAD: a part recorded with the current command (its rounds
+    aside, which the check cuts) gives the same numbers; one recorded with another learning
+    rate does not."""
+    import results_plan
+    import yaml
+
+    suite = {
+        "suite": "tiny",
+        "base": {
+            "data": {
+                "dataset": "synthetic",
+                "num_clients": 3,
+                "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 10},
+                "options": {"num_samples": 1200, "num_test": 100, "shape": [1, 8, 8]},
+            },
+            "model": {"family": "tiny2"},
+            "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.05},
+            "engine": {"rounds": 5, "executor": "serial", "checkpoint_every": 0},
+            "tracking": {"backend": "none"},
+        },
+        "algorithms": [{"name": "fedproto"}],
+        "settings": [{"name": "x", "overrides": {}}, {"name": "y", "overrides": {}}],
+        "seeds": [0],
+    }
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    spec = {"suite": str(tmp_path / "suite.yaml"), "rounds": 3, "seeds": [0]}
+    table = results_plan.Table("t", {**spec, "settings": ["x", "y"], "round_s": {"fedproto": 1}})
+    head = results_plan.git("rev-parse", "--short", "HEAD").stdout.strip()
+    original = results_plan.RESULTS
+    results_plan.RESULTS = tmp_path / "results"
+    try:
+        (tmp_path / "results" / "t").mkdir(parents=True)
+        for part, extra in [("x-s0", []), ("y-s0", ["train.lr=0.5"])]:
+            args = [*table.command(part)[3:], *extra]
+            args = [a if a != f"engine.rounds={table.rounds}" else "engine.rounds=5" for a in args]
+            record = {"commit": head, "command": "rayfl " + " ".join(args), "runs": [{}]}
+            table.result(part).write_text(json.dumps(record))
+        verdict = results_plan.verify(table, lambda msg: None)["commits"][head]
+    finally:
+        results_plan.RESULTS = original
+    x, y = verdict["parts"]
+    assert x["part"] == "x-s0" and x["equal"] and x["numbers"] > 10
+    assert y["part"] == "y-s0" and not y["equal"] and "fedproto/personal/acc" in y["differ"]
+    assert not verdict["equal"]
+    worktrees = results_plan.git("worktree", "list", "--porcelain").stdout.splitlines()
+    assert not [w for w in worktrees if "rayfl-verify-" in w and w.endswith(f"/{head}")]
