@@ -210,6 +210,10 @@ def part_commits(parts: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted({c for part in parts for c in run_commits(part)})
 
 
+def ticked(items: Sequence[str]) -> str:
+    return ", ".join(f"`{c}`" for c in items)
+
+
 def code_note(table: Any, commits: Sequence[str]) -> str:
     """Whether the commits the table's runs ran at give the numbers of the code `verify` last
     checked them against, from the table's `code.json`."""
@@ -217,25 +221,30 @@ def code_note(table: Any, commits: Sequence[str]) -> str:
     path = table.code_file()
     checked = json.loads(path.read_text()) if path.is_file() else {"commits": {}}
     verdicts = checked["commits"]
-    same = [c for c in commits if verdicts.get(c, {}).get("equal")]
-    differ = [c for c in commits if c in verdicts and not verdicts[c].get("equal")]
-    unchecked = [c for c in commits if c not in verdicts]
     if not verdicts:
         return f"Not checked against the current code ({how})."
+    identical = [c for c in commits if verdicts.get(c, {}).get("identical")]
+    same = [c for c in commits if verdicts.get(c, {}).get("equal") and c not in identical]
+    differ = [c for c in commits if c in verdicts and not verdicts[c].get("equal")]
+    unchecked = [c for c in commits if c not in verdicts]
+    code = checked["code"]
     out = [
-        f"Checked against `{checked['code']}` by {how} (one part of each setting and method group rerun at "
-        f"each commit and at `{checked['code']}`, cut to {' '.join(checked['check'])}; final "
-        "metrics and per-client accuracies compared exactly):"
+        f"Checked against `{code}` by {how} (at a commit with other code or commands, one part "
+        f"of each setting and method group rerun there and at `{code}`, cut to "
+        f"{' '.join(checked['check'])}; final metrics and per-client accuracies compared "
+        "exactly):"
     ]
+    if identical:
+        out.append(f"the same package, suites and commands at {ticked(identical)}")
     if same:
-        out.append(f"the same numbers at {', '.join(f'`{c}`' for c in same)}")
+        out.append(f"the same numbers at {ticked(same)}")
     for c in same:
         if differences(verdicts[c]):  # metrics reported at one end only
             out.append(f"at `{c}` {differences(verdicts[c])}")
     for c in differ:
         out.append(f"**different at `{c}`** ({differences(verdicts[c])})")
     if unchecked:
-        out.append(f"not checked: {', '.join(f'`{c}`' for c in unchecked)}")
+        out.append(f"not checked: {ticked(unchecked)}")
     return out[0] + " " + "; ".join(out[1:]) + "."
 
 
@@ -272,7 +281,7 @@ def plan_section(table: Any) -> list[str]:
         + f"; a part is up to ~{table.max_part_cost_s() / 3600:.2f} core-hours (estimate from "
         "measured seconds per round).",
         f"- Code: commit{'s' if len(commits) > 1 else ''} "
-        f"{', '.join(f'`{c}`' for c in commits) or '–'}. {code_note(table, commits)}",
+        f"{ticked(commits) or '–'}. {code_note(table, commits)}",
         f"- Command: `python3 experiments/results_plan.py run {table.name}` (runs only the "
         f"missing parts); one part: `{parts[0]['command'] if parts else table.name}`.",
         "",

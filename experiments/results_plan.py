@@ -25,9 +25,10 @@ on another x86-64 machine gives its numbers.
 `verify` says whether parts made at older commits hold for the current code: for each commit a
 table's runs ran at, it runs one part of each setting and method group (the command its file
 records) at that commit, in a temporary git worktree (given the files of experiments/ it lacks,
-as they are now), and the same part at the current code, both cut to the table's `check:` size (`CHECK` by default), and
-compares their final metrics and per-client accuracies exactly (the determinism contract: the
-same config and seed give the same numbers). A commit whose package and suites equal the
+as they are now), and the same part at the current code, both under `PORTABLE_CPU_ENV` and cut
+to the table's `check:` size (`CHECK` by default), and compares their final metrics and
+per-client accuracies exactly (the determinism contract: the same config and seed give the same
+numbers). A commit whose package and suites equal the
 current ones, with the same commands, needs no run. The verdicts go to
 `docs/results/plan/<table>/code.json`, which the page cites beside each table's commits.
 

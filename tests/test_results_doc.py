@@ -243,16 +243,18 @@ def test_a_table_says_which_commits_give_the_current_codes_numbers(make_results,
             "c1": {"equal": True, "parts": [{"part": "s0", "equal": True}]},
             "c2": {"equal": False, "parts": [{**moved, "part": "s0"}]},
             "c4": {"equal": True, "parts": [{**dropped, "part": "s0"}]},
+            "c5": {"equal": True, "identical": True, "parts": []},  # no run needed
         }
         code = {"code": "head", "check": ["engine.rounds=2"], "commits": verdicts}
         table.code_file().write_text(json.dumps(code))
-        text = make_results.code_note(table, ["c1", "c2", "c3", "c4"])
+        text = make_results.code_note(table, ["c1", "c2", "c3", "c4", "c5"])
     finally:
         results_plan.RESULTS = original
     assert "Checked against `head`" in text and "cut to engine.rounds=2" in text
     assert "the same numbers at `c1`, `c4`" in text and "not checked: `c3`" in text
     assert "**different at `c2`** (`a/acc` differ; `a/x` reported then only)" in text
     assert "at `c4` `a/x` reported then only" in text
+    assert "the same package, suites and commands at `c5`" in text
 
 
 @pytest.mark.slow
