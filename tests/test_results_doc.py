@@ -258,27 +258,21 @@ def test_a_table_says_which_commits_give_the_current_codes_numbers(make_results,
 
 
 @pytest.mark.slow
-def test_verify_reruns_a_commits_parts_at_that_commit_and_now(make_results, tmp_path):
+def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
+    make_results, tmp_path, synthetic_raw
+):
     """End to end at this clone's HEAD: a part recorded with the current command (its rounds
     aside, which the check cuts) gives the same numbers; one recorded with another learning
     rate does not."""
     import results_plan
     import yaml
 
+    base = {k: v for k, v in synthetic_raw.items() if k not in ("name", "seed", "algorithm")}
+    base["data"]["options"]["num_samples"] = 1200  # verify's check takes a thousand
+    base["engine"]["rounds"] = 5
     suite = {
         "suite": "tiny",
-        "base": {
-            "data": {
-                "dataset": "synthetic",
-                "num_clients": 3,
-                "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 10},
-                "options": {"num_samples": 1200, "num_test": 100, "shape": [1, 8, 8]},
-            },
-            "model": {"family": "tiny2"},
-            "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.05},
-            "engine": {"rounds": 5, "executor": "serial", "checkpoint_every": 0},
-            "tracking": {"backend": "none"},
-        },
+        "base": base,
         "algorithms": [{"name": "fedproto"}],
         "settings": [{"name": "x", "overrides": {}}, {"name": "y", "overrides": {}}],
         "seeds": [0],
