@@ -360,54 +360,78 @@ def missing_files(tree: Path) -> None:
             target.write_bytes((ROOT / name).read_bytes())
 
 
-def verify(table: Table, log: Any) -> dict[str, Any]:
+def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
     """Each commit the table's parts ran at, checked against the current code (see the module's
-    docstring); writes and returns the table's `code.json`."""
+    docstring), `jobs` check runs at a time; writes and returns the table's `code.json`."""
     files = {
         p: json.loads(table.result(p).read_text())
         for p in table.parts()
         if table.result(p).is_file()
     }
-    by_commit: dict[str, dict[tuple[str, str], str]] = {}  # commit -> (setting, group) -> part
+    by_commit: dict[str, list[str]] = {}  # commit -> one part per (setting, group)
     for part, data in files.items():
         setting, _, group = split_part(part)
         for c in run_commits(data):
-            by_commit.setdefault(c, {}).setdefault((setting, group), part)
-    current: dict[str, dict[str, float | None]] = {}  # part -> the current code's numbers
+            chosen = by_commit.setdefault(c, [])
+            if all(split_part(p)[::2] != (setting, group) for p in chosen):
+                chosen.append(part)
     checks: dict[str, Any] = {}
     code = commit()
     with tempfile.TemporaryDirectory(prefix="rayfl-verify-") as tmp:
+        trees: dict[str, Path] = {}  # the commits that need check runs, each in a worktree
         for c, parts in sorted(by_commit.items()):
-            now = {p: table.command(p)[3:-2] for p in parts.values()}  # no python -m, --out
             same_code = git("diff", "--quiet", c, "--", *CODE_PATHS).returncode == 0
-            if same_code and all(part_args(files[p]["command"]) == now[p] for p in now):
+            if same_code and all(
+                part_args(files[p]["command"]) == now_args(table, p) for p in parts
+            ):
                 checks[c] = {"equal": True, "identical": True, "parts": []}
                 log(f"{table.name} {c}: the same package, suites and commands")
-                continue
-            tree = Path(tmp) / c
-            if git("worktree", "add", "--detach", str(tree), c).returncode != 0:
+            elif git("worktree", "add", "--detach", str(Path(tmp) / c), c).returncode != 0:
                 checks[c] = {"equal": False, "error": f"no commit {c} in this clone"}
-                continue
-            missing_files(tree)
-            results = []
+            else:
+                trees[c] = Path(tmp) / c
+                missing_files(trees[c])
+        # (commit, part) at that commit, ("", part) at the current code: (package, arguments)
+        runs = {("", p): (ROOT, now_args(table, p)) for c in trees for p in by_commit[c]}
+        for c in trees:
+            runs |= {(c, p): (trees[c], part_args(files[p]["command"])) for p in by_commit[c]}
+
+        def one(key: tuple[str, str]) -> tuple[tuple[str, str], Any]:
+            code_dir, args = runs[key]
+            out = Path(tmp) / "out" / (key[0] or "now") / key[1]
             try:
-                for part in parts.values():
-                    try:
-                        then = [*part_args(files[part]["command"]), *table.check]
-                        old = check_run(tree, then, tree / "out" / part)
-                        if part not in current:
-                            args = [*now[part], *table.check]
-                            current[part] = check_run(ROOT, args, Path(tmp) / "now" / part)
-                        results.append({"part": part, **compare_numbers(old, current[part])})
-                    except RuntimeError as exc:
-                        results.append({"part": part, "equal": False, "error": str(exc)})
-                    log(f"{table.name} {c} {part}: {'equal' if results[-1]['equal'] else 'DIFFER'}")
-            finally:
+                numbers: Any = check_run(code_dir, [*args, *table.check], out)
+            except RuntimeError as exc:
+                numbers = str(exc)
+            log(f"{table.name} {key[1]} ran at {key[0] or 'the current code'}")
+            return key, numbers
+
+        try:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                numbers = dict(pool.map(one, runs))
+        finally:
+            for tree in trees.values():
                 git("worktree", "remove", "--force", str(tree))
-            checks[c] = {"equal": all(r["equal"] for r in results), "parts": results}
-    data = {"code": code, "check": table.check, "commits": checks}
+    for c in trees:
+        results = []
+        for part in by_commit[c]:
+            old, now = numbers[(c, part)], numbers[("", part)]
+            if isinstance(old, str) or isinstance(now, str):  # a check run failed
+                results.append(
+                    {"part": part, "equal": False, "error": old if isinstance(old, str) else now}
+                )
+            else:
+                results.append({"part": part, **compare_numbers(old, now)})
+            log(f"{table.name} {c} {part}: {'equal' if results[-1]['equal'] else 'DIFFER'}")
+        checks[c] = {"equal": all(r["equal"] for r in results), "parts": results}
+    data = {"code": code, "check": table.check, "commits": dict(sorted(checks.items()))}
     table.code_file().write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return data
+
+
+def now_args(table: Table, part: str) -> list[str]:
+    """The part's `rayfl` arguments in the current plan, without its `--out`."""
+    return table.command(part)[3:-2]
 
 
 class Parts:
@@ -512,7 +536,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run the results plan's missing parts")
     ap.add_argument("action", choices=["status", "run", "verify"])
     ap.add_argument("tables", nargs="*", help="table names, run in this order (default: all)")
-    ap.add_argument("--jobs", type=int, default=2, help="parts at a time (one core each)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="parts (or verify's check runs) at a time, one core each",
+    )
     ap.add_argument("--hours", type=float, default=2.0, help="wall-clock budget for `run`")
     ap.add_argument("--parts", nargs="+", help="only these parts (e.g. dir0.1-s2) of the tables")
     args = ap.parse_args(argv)
@@ -528,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "verify":
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # removes its worktrees
         for table in chosen:
-            verify(table, lambda msg: print(time.strftime("%H:%M:%S"), msg, flush=True))
+            verify(table, lambda msg: print(time.strftime("%H:%M:%S"), msg, flush=True), args.jobs)
         return 0
     return run(chosen, args.jobs, args.hours, args.parts or ())
 
