@@ -234,8 +234,8 @@ def code_note(table: Any, commits: Sequence[str]) -> str:
     out = [
         f"Checked against `{code}` by {how} (at a commit with other code or commands, one part "
         f"of each setting and method group rerun there and at `{code}`, cut to "
-        f"{' '.join(checked['check'])}; final metrics and per-client accuracies compared "
-        "exactly):"
+        f"{' '.join(checked['check'])}; final metrics, per-client accuracies and resolved "
+        "configs compared exactly):"
     ]
     if identical:
         out.append(f"the same package, suites and commands at {ticked(identical)}")

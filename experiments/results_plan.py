@@ -26,9 +26,9 @@ on another x86-64 machine gives its numbers.
 table's runs ran at, it runs one part of each setting and method group (the command its file
 records) at that commit, in a temporary git worktree (given the files of experiments/ it lacks,
 as they are now), and the same part at the current code, both under `PORTABLE_CPU_ENV` and cut
-to the table's `check:` size (`CHECK` by default), and compares their final metrics and
-per-client accuracies exactly (the determinism contract: the same config and seed give the same
-numbers). A commit whose package and suites equal the
+to the table's `check:` size (`CHECK` by default), and compares their final metrics, per-client
+accuracies and resolved configs exactly (the determinism contract: the same config and seed give
+the same numbers). A commit whose package and suites equal the
 current ones, with the same commands, needs no run. The verdicts go to
 `docs/results/plan/<table>/code.json`, which the page cites beside each table's commits.
 
@@ -299,19 +299,38 @@ def run_commits(part: Mapping[str, Any]) -> list[str]:
     return sorted(found)
 
 
-def final_numbers(out: Path) -> dict[str, float | None]:
+def final_numbers(out: Path) -> dict[str, Any]:
     """`label/metric` for each finished run of a `rayfl compare` folder's final metrics (timings
-    left out) and `label/client<k>/acc` for its last round's client accuracies."""
+    left out), `label/client<k>/acc` for its last round's client accuracies and
+    `label/config/<key>` for its resolved config (tracking names left out): a setting that
+    differs is a difference even where it does not bind at a check's size."""
     import pyarrow.parquet as pq
 
-    numbers: dict[str, float | None] = {}
+    numbers: dict[str, Any] = {}
     for row in pq.read_table(out / "runs.parquet").to_pylist():
         run_dir = Path(row["run_dir"])
         final = json.loads((run_dir / "summary.json").read_text()).get("final", {})
         label = row["label"]
         numbers |= {f"{label}/{k}": v for k, v in final.items() if not k.startswith("time/")}
         numbers |= {f"{label}/client{c['client']}/acc": c["acc"] for c in final_clients(run_dir)}
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        numbers |= {
+            f"{label}/config/{k}": v
+            for k, v in flat(config).items()
+            if not k.startswith("tracking.")
+        }
     return numbers
+
+
+def flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping's leaves by dotted key."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and v:
+            out |= flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def compare_numbers(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
@@ -329,7 +348,7 @@ def compare_numbers(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str,
     }
 
 
-def check_run(code: Path, args: Sequence[str], out: Path) -> dict[str, float | None]:
+def check_run(code: Path, args: Sequence[str], out: Path) -> dict[str, Any]:
     """Runs `rayfl <args>` with the package in `code`; its final numbers."""
     env = {**PORTABLE_CPU_ENV, **os.environ, "PYTHONPATH": str(code)}
     cmd = [sys.executable, "-m", "rayfl.cli", *args, "--out", str(out)]

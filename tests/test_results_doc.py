@@ -296,6 +296,9 @@ def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
     x, y = verdict["parts"]
     assert x["part"] == "x-s0" and x["equal"] and x["numbers"] > 10
     assert y["part"] == "y-s0" and not y["equal"] and "fedproto/personal/acc" in y["differ"]
+    assert (
+        "fedproto/config/train.lr" in y["differ"]
+    )  # a setting differs even where it does not bind
     assert not verdict["equal"]
     worktrees = results_plan.git("worktree", "list", "--porcelain").stdout.splitlines()
     assert not [w for w in worktrees if "rayfl-verify-" in w and w.endswith(f"/{head}")]
