@@ -28,9 +28,10 @@ records) at that commit, in a temporary git worktree (given the files of experim
 as they are now), and the same part at the current code, both under `PORTABLE_CPU_ENV` and cut
 to the table's `check:` size (`CHECK` by default), and compares their final metrics, per-client
 accuracies and resolved configs exactly (the determinism contract: the same config and seed give
-the same numbers). A commit whose package and suites equal the
-current ones, with the same commands, needs no run. The verdicts go to
-`docs/results/plan/<table>/code.json`, which the page cites beside each table's commits.
+the same numbers). A commit whose package and suites equal the current ones, with the same
+commands, needs no run, nor does one the table's last `verify` ran against the same code and
+plan. The verdicts go to `docs/results/plan/<table>/code.json`, which the page cites beside each
+table's commits.
 
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
 `sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
@@ -74,13 +75,10 @@ SERIAL = [
 # two rounds on a thousand images take every step a method has (local training, the server's
 # step, the next round's download, evaluation)
 CHECK = ["engine.rounds=2", "data.train_samples=1000"]
-# what a part's numbers depend on besides its command (the plan's own file excluded)
-CODE_PATHS = [
-    "rayfl",
-    "experiments/suites",
-    ":(glob)experiments/*.yaml",
-    ":(exclude)experiments/results_plan.yaml",
-]
+# what a part's numbers depend on: the package, the suites and configs, and the plan (which
+# reaches a part only through its command)
+CODE_PATHS = ["rayfl", "experiments/suites", ":(glob)experiments/*.yaml"]
+NOT_PLAN = ":(exclude)experiments/results_plan.yaml"
 CLIENT_KEYS = ("client", "arch", "domain", "num_train", "num_test", "acc")
 
 
@@ -396,11 +394,15 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
                 chosen.append(part)
     checks: dict[str, Any] = {}
     code = commit()
+    kept = still_valid(table)
     with tempfile.TemporaryDirectory(prefix="rayfl-verify-") as tmp:
         trees: dict[str, Path] = {}  # the commits that need check runs, each in a worktree
         for c, parts in sorted(by_commit.items()):
-            same_code = git("diff", "--quiet", c, "--", *CODE_PATHS).returncode == 0
-            if same_code and all(
+            same_code = git("diff", "--quiet", c, "--", *CODE_PATHS, NOT_PLAN).returncode == 0
+            if c in kept and {r["part"] for r in kept[c]["parts"]} >= set(parts):
+                checks[c] = kept[c]
+                log(f"{table.name} {c}: checked before against the same code")
+            elif same_code and all(
                 part_args(files[p]["command"]) == now_args(table, p) for p in parts
             ):
                 checks[c] = {"equal": True, "identical": True, "parts": []}
@@ -446,6 +448,21 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
     data = {"code": code, "check": table.check, "commits": dict(sorted(checks.items()))}
     table.code_file().write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return data
+
+
+def still_valid(table: Table) -> dict[str, Any]:
+    """The verdicts of the table's last `verify` that need no new runs: those it ran (not those
+    it found identical, which depend on the commands) when the code and plan it checked against
+    equal the current ones and the check's size is the same."""
+    if not table.code_file().is_file():
+        return {}
+    last = json.loads(table.code_file().read_text())
+    code = str(last.get("code", ""))
+    if last.get("check") != table.check or not code or code.endswith("+dirty"):
+        return {}
+    if git("diff", "--quiet", code, "--", *CODE_PATHS).returncode != 0:
+        return {}
+    return {c: v for c, v in last["commits"].items() if v.get("parts")}
 
 
 def now_args(table: Table, part: str) -> list[str]:

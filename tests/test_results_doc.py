@@ -302,3 +302,32 @@ def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
     assert not verdict["equal"]
     worktrees = results_plan.git("worktree", "list", "--porcelain").stdout.splitlines()
     assert not [w for w in worktrees if "rayfl-verify-" in w and w.endswith(f"/{head}")]
+
+
+def test_verify_keeps_the_verdicts_it_ran_against_the_same_code(tmp_path, monkeypatch):
+    import subprocess
+
+    import results_plan
+
+    same = {"code": True}
+    monkeypatch.setattr(
+        results_plan,
+        "git",
+        lambda *a: subprocess.CompletedProcess(a, 0 if same["code"] else 1, "", ""),
+    )
+    monkeypatch.setattr(results_plan, "RESULTS", tmp_path)
+    table = results_plan.Table("t", {"suite": "s.yaml", "rounds": 2, "seeds": [0]})
+    assert results_plan.still_valid(table) == {}  # never verified
+    ran = {"equal": True, "parts": [{"part": "s0", "equal": True}]}
+    verdicts = {"a1": ran, "b1": {"equal": True, "identical": True, "parts": []}}
+    (tmp_path / "t").mkdir()
+    last = {"code": "abc1234", "check": table.check, "commits": verdicts}
+    table.code_file().write_text(json.dumps(last))
+    assert results_plan.still_valid(table) == {"a1": ran}  # identical ones depend on commands
+    same["code"] = False  # the package, a suite or the plan changed since
+    assert results_plan.still_valid(table) == {}
+    same["code"] = True
+    table.code_file().write_text(json.dumps({**last, "check": ["engine.rounds=1"]}))
+    assert results_plan.still_valid(table) == {}
+    table.code_file().write_text(json.dumps({**last, "code": "abc1234+dirty"}))
+    assert results_plan.still_valid(table) == {}
