@@ -26,12 +26,12 @@ on another x86-64 machine gives its numbers.
 table's runs ran at, it runs one part of each setting and method group (the command its file
 records) at that commit, in a temporary git worktree (given the files of experiments/ it lacks,
 as they are now), and the same part at the current code, both under `PORTABLE_CPU_ENV` and cut
-to the table's `check:` size (`CHECK` by default), and compares their final metrics, per-client
-accuracies and resolved configs exactly (the determinism contract: the same config and seed give
-the same numbers). A commit whose package and suites equal the current ones, with the same
-commands, needs no run, nor does one the table's last `verify` ran against the same code and
-plan. The verdicts go to `docs/results/plan/<table>/code.json`, which the page cites beside each
-table's commits.
+to the table's `check:` size (`CHECK` by default), and compares the final metrics, per-client
+accuracies and resolved configs of the methods whose runs ran at that commit exactly (the
+determinism contract: the same config and seed give the same numbers). A commit whose package
+and suites equal the current ones, with the same commands, needs no run, nor does one the
+table's last `verify` ran against the same code and plan. The verdicts go to
+`docs/results/plan/<table>/code.json`, which the page cites beside each table's commits.
 
 A part's cost is estimated from the table's measured seconds per round (one core) per method:
 `sum over the part's methods of round_s x rounds`. `run --hours H` starts a part only while the estimate
@@ -297,6 +297,11 @@ def run_commits(part: Mapping[str, Any]) -> list[str]:
     return sorted(found)
 
 
+def ran_at(part: Mapping[str, Any], c: str) -> set[str]:
+    """The labels of a part's runs that ran (some of their rounds) at commit `c`."""
+    return {r["label"] for r in part["runs"] if c in (r.get("commits") or [part["commit"]])}
+
+
 def final_numbers(out: Path) -> dict[str, Any]:
     """`label/metric` for each finished run of a `rayfl compare` folder's final metrics (timings
     left out), `label/client<k>/acc` for its last round's client accuracies and
@@ -441,8 +446,12 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
                 results.append(
                     {"part": part, "equal": False, "error": old if isinstance(old, str) else now}
                 )
-            else:
-                results.append({"part": part, **compare_numbers(old, now)})
+            else:  # only the part's methods whose runs ran at c (a run may be newer)
+                ran = ran_at(files[part], c)
+                old, now = (
+                    {k: v for k, v in d.items() if k.split("/")[0] in ran} for d in (old, now)
+                )
+                results.append({"part": part, "methods": sorted(ran), **compare_numbers(old, now)})
             log(f"{table.name} {c} {part}: {'equal' if results[-1]['equal'] else 'DIFFER'}")
         checks[c] = {"equal": all(r["equal"] for r in results), "parts": results}
     data = {"code": code, "check": table.check, "commits": dict(sorted(checks.items()))}

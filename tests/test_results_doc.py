@@ -227,6 +227,8 @@ def test_a_table_says_which_commits_give_the_current_codes_numbers(make_results,
     dropped = results_plan.compare_numbers({"a/acc": 0.5, "a/x": 1.0}, {"a/acc": 0.5})
     assert dropped["equal"] and dropped["only_old"] == ["a/x"]  # a metric no longer reported
     assert not results_plan.compare_numbers({}, {})["equal"]  # nothing compared proves nothing
+    part = {"commit": "p1", "runs": [{"label": "a", "commits": ["c1"]}, {"label": "b"}]}
+    assert results_plan.ran_at(part, "c1") == {"a"} and results_plan.ran_at(part, "p1") == {"b"}
     assert results_plan.part_args("rayfl compare s.yaml seeds=[0] --out runs/x") == [
         "compare",
         "s.yaml",
@@ -288,13 +290,15 @@ def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
         for part, extra in [("x-s0", []), ("y-s0", ["train.lr=0.5"])]:
             args = [*table.command(part)[3:], *extra]
             args = [a if a != f"engine.rounds={table.rounds}" else "engine.rounds=5" for a in args]
-            record = {"commit": head, "command": "rayfl " + " ".join(args), "runs": [{}]}
+            record = {"commit": head, "command": "rayfl " + " ".join(args)}
+            record["runs"] = [{"label": "fedproto"}]  # made before runs recorded their commits
             table.result(part).write_text(json.dumps(record))
         verdict = results_plan.verify(table, lambda msg: None)["commits"][head]
     finally:
         results_plan.RESULTS = original
     x, y = verdict["parts"]
     assert x["part"] == "x-s0" and x["equal"] and x["numbers"] > 10
+    assert x["methods"] == ["fedproto"]
     assert y["part"] == "y-s0" and not y["equal"] and "fedproto/personal/acc" in y["differ"]
     assert (
         "fedproto/config/train.lr" in y["differ"]
