@@ -242,8 +242,8 @@ def code_note(table: Any, commits: Sequence[str]) -> str:
     if same:
         out.append(f"the same numbers at {ticked(same)}")
     for c in same:
-        if differences(verdicts[c]):  # metrics reported at one end only
-            out.append(f"at `{c}` {differences(verdicts[c])}")
+        if found := differences(verdicts[c]):  # metrics reported at one end only
+            out.append(f"at `{c}` {found}")
     for c in differ:
         out.append(f"**different at `{c}`** ({differences(verdicts[c])})")
     if unchecked:

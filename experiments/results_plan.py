@@ -289,17 +289,19 @@ def collect_part(table: Table, part: str, code: str) -> dict[str, Any] | None:
     }
 
 
+def commits_of(part: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
+    """The commits one run of a part ran at; the plan's recorded one for a run that lists none."""
+    return run.get("commits") or [part["commit"]]
+
+
 def run_commits(part: Mapping[str, Any]) -> list[str]:
-    """The commits a part's runs ran at; the plan's recorded one for runs that list none."""
-    found = {c for r in part["runs"] for c in r.get("commits", [])}
-    if not all(r.get("commits") for r in part["runs"]):
-        found.add(part["commit"])
-    return sorted(found)
+    """The commits a part's runs ran at."""
+    return sorted({c for r in part["runs"] for c in commits_of(part, r)})
 
 
 def ran_at(part: Mapping[str, Any], c: str) -> set[str]:
     """The labels of a part's runs that ran (some of their rounds) at commit `c`."""
-    return {r["label"] for r in part["runs"] if c in (r.get("commits") or [part["commit"]])}
+    return {r["label"] for r in part["runs"] if c in commits_of(part, r)}
 
 
 def final_numbers(out: Path) -> dict[str, Any]:
