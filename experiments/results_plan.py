@@ -2,7 +2,7 @@
 finish, each part's small result file committed so that rerunning the plan runs only what is
 missing.
 
-    python3 experiments/results_plan.py status                  # parts done, estimated cost left
+    python3 experiments/results_plan.py status                  # parts done, cost left, unverified
     python3 experiments/results_plan.py run --hours 2           # the missing parts that fit
     python3 experiments/results_plan.py run fedfd_cpu --jobs 2  # one table's missing parts
     python3 experiments/results_plan.py verify                  # older parts against this code
@@ -353,14 +353,18 @@ def compare_numbers(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str,
     }
 
 
-def check_run(code: Path, args: Sequence[str], out: Path) -> dict[str, Any]:
+def check_run(code: Path, args: Sequence[str], out: Path, parts: Parts) -> dict[str, Any]:
     """Runs `rayfl <args>` with the package in `code`; its final numbers."""
     env = {**PORTABLE_CPU_ENV, **os.environ, "PYTHONPATH": str(code)}
     cmd = [sys.executable, "-m", "rayfl.cli", *args, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        raise RuntimeError(f"check run failed in {code}: {shlex.join(cmd)}\n{tail}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as f:
+        proc = parts.start(cmd, f, cwd=code, env=env)
+        rc = parts.wait(proc) if proc is not None else None
+    if rc != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"check run failed (exit {rc}) in {code}: {shlex.join(cmd)}\n{tail}")
     return final_numbers(out)
 
 
@@ -387,11 +391,7 @@ def missing_files(tree: Path) -> None:
 def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
     """Each commit the table's parts ran at, checked against the current code (see the module's
     docstring), `jobs` check runs at a time; writes and returns the table's `code.json`."""
-    files = {
-        p: json.loads(table.result(p).read_text())
-        for p in table.parts()
-        if table.result(p).is_file()
-    }
+    files = part_files(table)
     by_commit: dict[str, list[str]] = {}  # commit -> one part per (setting, group)
     for part, data in files.items():
         setting, _, group = split_part(part)
@@ -405,12 +405,12 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rayfl-verify-") as tmp:
         trees: dict[str, Path] = {}  # the commits that need check runs, each in a worktree
         for c, parts in sorted(by_commit.items()):
-            same_code = git("diff", "--quiet", c, "--", *CODE_PATHS, NOT_PLAN).returncode == 0
             if c in kept and {r["part"] for r in kept[c]["parts"]} >= set(parts):
                 checks[c] = kept[c]
                 log(f"{table.name} {c}: checked before against the same code")
-            elif same_code and all(
-                part_args(files[p]["command"]) == now_args(table, p) for p in parts
+            elif (
+                all(part_args(files[p]["command"]) == now_args(table, p) for p in parts)
+                and git("diff", "--quiet", c, "--", *CODE_PATHS, NOT_PLAN).returncode == 0
             ):
                 checks[c] = {"equal": True, "identical": True, "parts": []}
                 log(f"{table.name} {c}: the same package, suites and commands")
@@ -428,16 +428,21 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
             code_dir, args = runs[key]
             out = Path(tmp) / "out" / (key[0] or "now") / key[1]
             try:
-                numbers: Any = check_run(code_dir, [*args, *table.check], out)
+                numbers: Any = check_run(code_dir, [*args, *table.check], out, procs)
             except RuntimeError as exc:
                 numbers = str(exc)
             log(f"{table.name} {key[1]} ran at {key[0] or 'the current code'}")
             return key, numbers
 
+        procs = Parts()
+        pool = ThreadPoolExecutor(max_workers=jobs)
         try:
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                numbers = dict(pool.map(one, runs))
+            numbers = dict(pool.map(one, runs))
+        except KeyboardInterrupt:  # stops the check runs at once; the worktrees go
+            procs.stop()
+            raise
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
             for tree in trees.values():
                 git("worktree", "remove", "--force", str(tree))
     for c in trees:
@@ -461,6 +466,30 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
     return data
 
 
+def part_files(table: Table) -> dict[str, Any]:
+    """The table's finished parts' result files, by part."""
+    return {
+        p: json.loads(table.result(p).read_text())
+        for p in table.parts()
+        if table.result(p).is_file()
+    }
+
+
+def unverified(table: Table) -> list[str]:
+    """The commits the table's finished runs ran at that its last `verify` did not find to give
+    the current code's numbers: every one when the package, a suite or the plan changed since."""
+    commits = sorted({c for data in part_files(table).values() for c in run_commits(data)})
+    if not table.code_file().is_file():
+        return commits
+    last = json.loads(table.code_file().read_text())
+    code = str(last.get("code", ""))
+    if not code or code.endswith("+dirty"):
+        return commits
+    if git("diff", "--quiet", code, "--", *CODE_PATHS).returncode != 0:
+        return commits
+    return [c for c in commits if not last["commits"].get(c, {}).get("equal")]
+
+
 def still_valid(table: Table) -> dict[str, Any]:
     """The verdicts of the table's last `verify` that need no new runs: those it ran (not those
     it found identical, which depend on the commands) when the code and plan it checked against
@@ -482,20 +511,24 @@ def now_args(table: Table, part: str) -> list[str]:
 
 
 class Parts:
-    """The parts' processes: each in its own session, so that a Ctrl-C reaches the plan only,
-    which then stops each running part once (as `rayfl compare` stops on Ctrl-C, with its
-    checkpoints) and starts no other."""
+    """The plan's processes (its parts, or `verify`'s check runs): each in its own session, so
+    that a Ctrl-C or `kill` reaches the plan only, which then stops each running process once (as
+    `rayfl compare` stops on Ctrl-C, with its checkpoints) and starts no other."""
 
     def __init__(self) -> None:
-        self.lock, self.stopped, self.running = threading.Lock(), False, set()
+        self.lock, self.stopped = threading.Lock(), False
+        self.running: set[subprocess.Popen] = set()
 
-    def start(self, cmd: list[str], out: Any) -> subprocess.Popen | None:
-        env = {**PORTABLE_CPU_ENV, **os.environ}  # the same numbers on any x86-64 machine
+    def start(
+        self, cmd: list[str], out: Any, cwd: Path = ROOT, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen | None:
+        if env is None:  # the same numbers on any x86-64 machine
+            env = {**PORTABLE_CPU_ENV, **os.environ}
         with self.lock:
             if self.stopped:
                 return None
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True
+                cmd, cwd=cwd, env=env, stdout=out, stderr=out, start_new_session=True
             )
             self.running.add(proc)
             return proc
@@ -541,19 +574,24 @@ def status(tables: Sequence[Table], jobs: int) -> list[str]:
             f"{t.name}: {len(t.parts()) - len(missing)}/{len(t.parts())} parts done; a part up to"
             f" ~{t.max_part_cost_s() / 3600:.2f} core-hours ({len(t.methods())} methods in "
             f"{len(t.groups())} group(s) x {t.rounds} rounds); missing: {', '.join(missing) or '-'}"
+            f"; commits not verified against this code: {', '.join(unverified(t)) or '-'}"
         )
     lines.append(f"left: ~{left / 3600:.1f} core-hours, ~{left / 3600 / jobs:.1f} h at {jobs} jobs")
     return lines
 
 
+SAY = threading.Lock()
+
+
+def say(msg: str) -> None:
+    """A progress line with its time, whole although parts finish side by side."""
+    with SAY:
+        print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
 def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = ()) -> int:
     todo = [(t, p) for t in tables for p in t.missing() if not only or p in only]
-    budget, lock, code = hours * 3600 * jobs, threading.Lock(), commit()
-
-    def log(msg: str) -> None:
-        with lock:
-            print(time.strftime("%H:%M:%S"), msg, flush=True)
-
+    budget, code, log = hours * 3600 * jobs, commit(), say
     chosen, spent = [], 0.0
     for t, p in todo:
         if spent + t.part_cost_s(p) <= budget:
@@ -603,8 +641,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.action == "verify":
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # removes its worktrees
-        for table in chosen:
-            verify(table, lambda msg: print(time.strftime("%H:%M:%S"), msg, flush=True), args.jobs)
+        try:
+            for table in chosen:
+                verify(table, say, args.jobs)
+        except KeyboardInterrupt:
+            print("verify stopped; the tables verified before keep their code.json")
+            return 130
         return 0
     return run(chosen, args.jobs, args.hours, args.parts or ())
 

@@ -300,9 +300,8 @@ def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
     assert x["part"] == "x-s0" and x["equal"] and x["numbers"] > 10
     assert x["methods"] == ["fedproto"]
     assert y["part"] == "y-s0" and not y["equal"] and "fedproto/personal/acc" in y["differ"]
-    assert (
-        "fedproto/config/train.lr" in y["differ"]
-    )  # a setting differs even where it does not bind
+    # a setting differs even where it does not bind
+    assert "fedproto/config/train.lr" in y["differ"]
     assert not verdict["equal"]
     worktrees = results_plan.git("worktree", "list", "--porcelain").stdout.splitlines()
     assert not [w for w in worktrees if "rayfl-verify-" in w and w.endswith(f"/{head}")]
@@ -335,3 +334,35 @@ def test_verify_keeps_the_verdicts_it_ran_against_the_same_code(tmp_path, monkey
     assert results_plan.still_valid(table) == {}
     table.code_file().write_text(json.dumps({**last, "code": "abc1234+dirty"}))
     assert results_plan.still_valid(table) == {}
+
+
+def test_status_names_the_commits_not_verified_against_this_code(tmp_path, monkeypatch):
+    import subprocess
+
+    import results_plan
+
+    same = {"code": True}
+    monkeypatch.setattr(
+        results_plan,
+        "git",
+        lambda *a: subprocess.CompletedProcess(a, 0 if same["code"] else 1, "", ""),
+    )
+    monkeypatch.setattr(results_plan, "RESULTS", tmp_path)
+    spec = {"suite": "s.yaml", "rounds": 2, "seeds": [0, 1], "round_s": {"a": 1, "b": 1}}
+    table = results_plan.Table("t", spec)
+    (tmp_path / "t").mkdir()
+    s0 = {"commit": "c1", "runs": [{"label": "a"}, {"label": "b", "commits": ["c2"]}]}
+    table.result("s0").write_text(json.dumps(s0))
+    table.result("s1").write_text(json.dumps({"commit": "c3", "runs": [{"label": "a"}]}))
+    assert results_plan.unverified(table) == ["c1", "c2", "c3"]  # never verified
+    verdicts = {
+        "c1": {"equal": True, "parts": [{"part": "s0", "equal": True}]},
+        "c2": {"equal": False, "parts": [{"part": "s0", "equal": False}]},
+    }
+    last = {"code": "abc1234", "check": table.check, "commits": verdicts}
+    table.code_file().write_text(json.dumps(last))
+    assert results_plan.unverified(table) == ["c2", "c3"]  # differs; made after the last verify
+    same["code"] = False  # the package, a suite or the plan changed since
+    assert results_plan.unverified(table) == ["c1", "c2", "c3"]
+    line = results_plan.status([table], jobs=2)[0]
+    assert line.endswith("commits not verified against this code: c1, c2, c3")
