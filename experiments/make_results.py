@@ -256,9 +256,11 @@ def differences(verdict: Mapping[str, Any], shown: int = 3) -> str:
     parts = verdict.get("parts", [])
     if verdict.get("error") or any(p.get("error") for p in parts):
         return "its check run failed; see code.json"
-    keys = [k for p in parts for k in p.get("differ", [])]
-    old = [k for p in parts for k in p.get("only_old", [])]
-    new = [k for p in parts for k in p.get("only_new", [])]
+    # each key once, although the parts of several settings name it
+    keys, old, new = (
+        [*dict.fromkeys(k for p in parts for k in p.get(f, []))]
+        for f in ("differ", "only_old", "only_new")
+    )
     words = []
     for what, found in (("differ", keys), ("reported then only", old), ("reported now only", new)):
         if found:

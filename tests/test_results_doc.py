@@ -257,6 +257,8 @@ def test_a_table_says_which_commits_give_the_current_codes_numbers(make_results,
     assert "**different at `c2`** (`a/acc` differ; `a/x` reported then only)" in text
     assert "at `c4` `a/x` reported then only" in text
     assert "the same package, suites and commands at `c5`" in text
+    two = {"parts": [{**dropped, "part": "x-s0"}, {**dropped, "part": "y-s0"}]}
+    assert make_results.differences(two) == "`a/x` reported then only"  # once, not per part
 
 
 @pytest.mark.slow
