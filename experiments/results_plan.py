@@ -475,17 +475,26 @@ def part_files(table: Table) -> dict[str, Any]:
     }
 
 
+def last_verify(table: Table) -> dict[str, Any] | None:
+    """The table's last `verify` (its `code.json`) when the package, suites and plan it checked
+    against are the current ones; None when there is none or they changed since."""
+    if not table.code_file().is_file():
+        return None
+    last = json.loads(table.code_file().read_text())
+    code = str(last.get("code", ""))
+    if not code or code.endswith("+dirty"):
+        return None
+    if git("diff", "--quiet", code, "--", *CODE_PATHS).returncode != 0:
+        return None
+    return last
+
+
 def unverified(table: Table) -> list[str]:
     """The commits the table's finished runs ran at that its last `verify` did not find to give
     the current code's numbers: every one when the package, a suite or the plan changed since."""
     commits = sorted({c for data in part_files(table).values() for c in run_commits(data)})
-    if not table.code_file().is_file():
-        return commits
-    last = json.loads(table.code_file().read_text())
-    code = str(last.get("code", ""))
-    if not code or code.endswith("+dirty"):
-        return commits
-    if git("diff", "--quiet", code, "--", *CODE_PATHS).returncode != 0:
+    last = last_verify(table)
+    if last is None:
         return commits
     return [c for c in commits if not last["commits"].get(c, {}).get("equal")]
 
@@ -494,13 +503,8 @@ def still_valid(table: Table) -> dict[str, Any]:
     """The verdicts of the table's last `verify` that need no new runs: those it ran (not those
     it found identical, which depend on the commands) when the code and plan it checked against
     equal the current ones and the check's size is the same."""
-    if not table.code_file().is_file():
-        return {}
-    last = json.loads(table.code_file().read_text())
-    code = str(last.get("code", ""))
-    if last.get("check") != table.check or not code or code.endswith("+dirty"):
-        return {}
-    if git("diff", "--quiet", code, "--", *CODE_PATHS).returncode != 0:
+    last = last_verify(table)
+    if last is None or last.get("check") != table.check:
         return {}
     return {c: v for c, v in last["commits"].items() if v.get("parts")}
 
@@ -591,27 +595,27 @@ def say(msg: str) -> None:
 
 def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = ()) -> int:
     todo = [(t, p) for t in tables for p in t.missing() if not only or p in only]
-    budget, code, log = hours * 3600 * jobs, commit(), say
+    budget, code = hours * 3600 * jobs, commit()
     chosen, spent = [], 0.0
     for t, p in todo:
         if spent + t.part_cost_s(p) <= budget:
             chosen.append((t, p))
             spent += t.part_cost_s(p)
     if not chosen:
-        log("nothing to run within the budget" if todo else "every part is done")
+        say("nothing to run within the budget" if todo else "every part is done")
         return 0
     for t, _ in chosen:
         (RUNS / t.name).mkdir(parents=True, exist_ok=True)
-    log(f"{len(chosen)} parts, ~{spent / 3600:.1f} core-hours at code {code}")
+    say(f"{len(chosen)} parts, ~{spent / 3600:.1f} core-hours at code {code}")
     parts = Parts()
     pool = ThreadPoolExecutor(max_workers=jobs)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it like Ctrl-C
     try:
-        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, log, parts), chosen))
+        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, say, parts), chosen))
     except KeyboardInterrupt:
         parts.stop()
         pool.shutdown(wait=True, cancel_futures=True)
-        log("stopped; `run` again resumes the unfinished parts from their checkpoints")
+        say("stopped; `run` again resumes the unfinished parts from their checkpoints")
         return 130
     pool.shutdown()
     return 0 if all(ok) else 1
