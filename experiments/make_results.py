@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # the declared tables and their parts
-from results_plan import load_plan, matches, run_commits  # noqa: E402
+from results_plan import load_plan, matches, part_commits, part_files  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -193,9 +193,7 @@ def devices_section(data: Mapping[str, Any]) -> list[str]:
 # -- the results plan ---------------------------------------------------------------------------
 def plan_runs(table: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(the finished parts' files, every run in them) of one table of the results plan."""
-    parts = [
-        json.loads(table.result(p).read_text()) for p in table.parts() if table.result(p).is_file()
-    ]
+    parts = list(part_files(table).values())
     return parts, [run for part in parts for run in part["runs"]]
 
 
@@ -205,12 +203,6 @@ def _cell(values: Sequence[float], key: str) -> str:
     if key.endswith("_points"):
         return pm([v / 100 for v in values], signed=True)
     return pm(values) if "acc" in key else pm(values, scale=1.0, digits=2)
-
-
-def part_commits(parts: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The commits the parts' runs ran at (each piece of each run), and the one the plan recorded
-    at collection for a part with runs that list none (made before runs recorded theirs)."""
-    return sorted({c for part in parts for c in run_commits(part)})
 
 
 def ticked(items: Sequence[str]) -> str:

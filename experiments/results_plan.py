@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,6 +299,12 @@ def run_commits(part: Mapping[str, Any]) -> list[str]:
     return sorted({c for r in part["runs"] for c in commits_of(part, r)})
 
 
+def part_commits(parts: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The commits the parts' runs ran at (each piece of each run), and the one the plan recorded
+    at collection for a part with runs that list none (made before runs recorded theirs)."""
+    return sorted({c for part in parts for c in run_commits(part)})
+
+
 def ran_at(part: Mapping[str, Any], c: str) -> set[str]:
     """The labels of a part's runs that ran (some of their rounds) at commit `c`."""
     return {r["label"] for r in part["runs"] if c in commits_of(part, r)}
@@ -435,14 +441,9 @@ def verify(table: Table, log: Any, jobs: int = 1) -> dict[str, Any]:
             return key, numbers
 
         procs = Parts()
-        pool = ThreadPoolExecutor(max_workers=jobs)
         try:
-            numbers = dict(pool.map(one, runs))
-        except KeyboardInterrupt:  # stops the check runs at once; the worktrees go
-            procs.stop()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            numbers = dict(each(one, list(runs), jobs, procs))
+        finally:  # also when stopped: the worktrees go
             for tree in trees.values():
                 git("worktree", "remove", "--force", str(tree))
     for c in trees:
@@ -492,7 +493,7 @@ def last_verify(table: Table) -> dict[str, Any] | None:
 def unverified(table: Table) -> list[str]:
     """The commits the table's finished runs ran at that its last `verify` did not find to give
     the current code's numbers: every one when the package, a suite or the plan changed since."""
-    commits = sorted({c for data in part_files(table).values() for c in run_commits(data)})
+    commits = part_commits(part_files(table).values())
     last = last_verify(table)
     if last is None:
         return commits
@@ -584,6 +585,19 @@ def status(tables: Sequence[Table], jobs: int) -> list[str]:
     return lines
 
 
+def each(fn: Callable[[Any], Any], items: Sequence[Any], jobs: int, procs: Parts) -> list[Any]:
+    """`fn` over `items`, `jobs` at a time. On Ctrl-C (or `kill`, which main() turns into one)
+    it stops the processes `procs` started, starts no other and waits for its threads."""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        return list(pool.map(fn, items))
+    except KeyboardInterrupt:
+        procs.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 SAY = threading.Lock()
 
 
@@ -608,16 +622,11 @@ def run(tables: Sequence[Table], jobs: int, hours: float, only: Sequence[str] = 
         (RUNS / t.name).mkdir(parents=True, exist_ok=True)
     say(f"{len(chosen)} parts, ~{spent / 3600:.1f} core-hours at code {code}")
     parts = Parts()
-    pool = ThreadPoolExecutor(max_workers=jobs)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it like Ctrl-C
     try:
-        ok = list(pool.map(lambda tp: run_part(tp[0], tp[1], code, say, parts), chosen))
+        ok = each(lambda tp: run_part(tp[0], tp[1], code, say, parts), chosen, jobs, parts)
     except KeyboardInterrupt:
-        parts.stop()
-        pool.shutdown(wait=True, cancel_futures=True)
         say("stopped; `run` again resumes the unfinished parts from their checkpoints")
         return 130
-    pool.shutdown()
     return 0 if all(ok) else 1
 
 
@@ -643,8 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "status":
         print("\n".join(status(chosen, args.jobs)))
         return 0
+    # `kill` stops `run` and `verify` as Ctrl-C does: their processes stopped, worktrees removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.action == "verify":
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # removes its worktrees
         try:
             for table in chosen:
                 verify(table, say, args.jobs)

@@ -22,6 +22,24 @@ def make_results():
     return module
 
 
+@pytest.fixture
+def verified(tmp_path, monkeypatch):
+    """`results_plan` with its result files under `tmp_path` and a git whose every diff answers
+    `same["code"]`: whether the package, suites and plan equal a verify's code."""
+    import subprocess
+
+    import results_plan
+
+    same = {"code": True}
+    monkeypatch.setattr(
+        results_plan,
+        "git",
+        lambda *a: subprocess.CompletedProcess(a, 0 if same["code"] else 1, "", ""),
+    )
+    monkeypatch.setattr(results_plan, "RESULTS", tmp_path)
+    return results_plan, same
+
+
 def test_results_page_matches_its_files(make_results):
     # Fails when a result file changed without `python3 experiments/make_results.py`, or when
     # docs/results.md was edited by hand.
@@ -309,18 +327,8 @@ def test_verify_reruns_a_commits_parts_at_that_commit_and_now(
     assert not [w for w in worktrees if "rayfl-verify-" in w and w.endswith(f"/{head}")]
 
 
-def test_verify_keeps_the_verdicts_it_ran_against_the_same_code(tmp_path, monkeypatch):
-    import subprocess
-
-    import results_plan
-
-    same = {"code": True}
-    monkeypatch.setattr(
-        results_plan,
-        "git",
-        lambda *a: subprocess.CompletedProcess(a, 0 if same["code"] else 1, "", ""),
-    )
-    monkeypatch.setattr(results_plan, "RESULTS", tmp_path)
+def test_verify_keeps_the_verdicts_it_ran_against_the_same_code(tmp_path, verified):
+    results_plan, same = verified
     table = results_plan.Table("t", {"suite": "s.yaml", "rounds": 2, "seeds": [0]})
     assert results_plan.still_valid(table) == {}  # never verified
     ran = {"equal": True, "parts": [{"part": "s0", "equal": True}]}
@@ -338,18 +346,8 @@ def test_verify_keeps_the_verdicts_it_ran_against_the_same_code(tmp_path, monkey
     assert results_plan.still_valid(table) == {}
 
 
-def test_status_names_the_commits_not_verified_against_this_code(tmp_path, monkeypatch):
-    import subprocess
-
-    import results_plan
-
-    same = {"code": True}
-    monkeypatch.setattr(
-        results_plan,
-        "git",
-        lambda *a: subprocess.CompletedProcess(a, 0 if same["code"] else 1, "", ""),
-    )
-    monkeypatch.setattr(results_plan, "RESULTS", tmp_path)
+def test_status_names_the_commits_not_verified_against_this_code(tmp_path, verified):
+    results_plan, same = verified
     spec = {"suite": "s.yaml", "rounds": 2, "seeds": [0, 1], "round_s": {"a": 1, "b": 1}}
     table = results_plan.Table("t", spec)
     (tmp_path / "t").mkdir()
