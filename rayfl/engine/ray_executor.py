@@ -33,6 +33,8 @@ from rayfl.schema import server_in_driver
 
 log = logging.getLogger(__name__)
 
+OTHER_RETURNS_WAIT_S = 5.0  # a failed call's other returns follow its first at once
+
 
 def ray_get(refs: Any, timeout: float | None = None) -> Any:
     """`ray.get` that re-raises a user error raised inside an actor as itself (its one line),
@@ -48,11 +50,18 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
 def ray_get_first(refs: Sequence[Any]) -> Any:
     """`ray_get` of the first of one call's returns. When it raises, the call's other returns
     (the same error, or not made yet) are read and dropped: Ray would otherwise print each as an
-    unhandled error, with its remote traceback, whenever it is freed."""
+    unhandled error, with its remote traceback, whenever it is freed.
+
+    A failed call's returns reach the driver one by one, so a reader woken by the first may find
+    the others not yet stored: they are awaited (briefly) unless an interrupt ended the read."""
     try:
         return ray_get(refs[0])
-    except BaseException:
-        for ref in refs[1:]:
+    except BaseException as exc:
+        rest = list(refs[1:])
+        if rest and isinstance(exc, Exception):
+            with suppress(Exception):
+                ray.wait(rest, num_returns=len(rest), timeout=OTHER_RETURNS_WAIT_S)
+        for ref in rest:
             with suppress(Exception):
                 ray.get(ref, timeout=0)
         raise

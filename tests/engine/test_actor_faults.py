@@ -9,9 +9,10 @@ import pytest
 import ray
 
 from rayfl.config import build_config
-from rayfl.engine import startup
+from rayfl.engine import ray_executor, startup
 from rayfl.engine.callbacks import Callback
 from rayfl.engine.loop import Simulation
+from rayfl.engine.ray_executor import ray_get_first
 from rayfl.engine.server import RoundFailed
 from rayfl.errors import UserError
 
@@ -72,6 +73,35 @@ def test_a_failed_server_step_leaves_no_unhandled_ray_error_behind(
     gc.collect()
     time.sleep(2.0)  # Ray reports a freed unread error from a thread of its own
     assert "Unhandled error" not in capsys.readouterr().err
+
+
+@ray.remote
+def _fail_after(seconds):
+    time.sleep(seconds)
+    raise ValueError("late")
+
+
+def test_a_failed_calls_later_returns_are_read_not_left_to_ray(ray_local, capsys, monkeypatch):
+    # a return stored after the first raised: read once it lands, not freed unread
+    first, later = _fail_after.remote(0.0), _fail_after.remote(1.0)
+    ray.wait([first])
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray_get_first([first, later])
+    del first, later
+    gc.collect()
+    time.sleep(2.0)
+    assert "Unhandled error" not in capsys.readouterr().err
+
+    # an interrupt does not wait for the rest
+    def interrupted(ref):
+        raise KeyboardInterrupt
+
+    waited = []
+    monkeypatch.setattr(ray, "wait", lambda *a, **k: waited.append(a))
+    monkeypatch.setattr(ray_executor, "ray_get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ray_get_first([object(), object()])
+    assert waited == []
 
 
 def test_workers_that_do_not_start_in_time_are_one_line(ray_local, synthetic_raw, tmp_path):
