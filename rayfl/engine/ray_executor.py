@@ -33,8 +33,6 @@ from rayfl.schema import server_in_driver
 
 log = logging.getLogger(__name__)
 
-OTHER_RETURNS_WAIT_S = 5.0  # a failed call's other returns follow its first at once
-
 
 def ray_get(refs: Any, timeout: float | None = None) -> Any:
     """`ray.get` that re-raises a user error raised inside an actor as itself (its one line),
@@ -50,20 +48,15 @@ def ray_get(refs: Any, timeout: float | None = None) -> Any:
 def ray_get_first(refs: Sequence[Any]) -> Any:
     """`ray_get` of the first of one call's returns. When it raises, the call's other returns
     (the same error, or not made yet) are read and dropped: Ray would otherwise print each as an
-    unhandled error, with its remote traceback, whenever it is freed.
-
-    A failed call's returns reach the driver one by one, so a reader woken by the first may find
-    the others not yet stored: they are awaited (briefly) unless an interrupt ended the read."""
+    unhandled error, with its remote traceback, whenever it is freed. Ray stores them one by one
+    after the first, so they are awaited (up to 5 s in all) unless an interrupt ended the read."""
     try:
         return ray_get(refs[0])
     except BaseException as exc:
-        rest = list(refs[1:])
-        if rest and isinstance(exc, Exception):
+        deadline = time.monotonic() + (5.0 if isinstance(exc, Exception) else 0.0)
+        for ref in refs[1:]:
             with suppress(Exception):
-                ray.wait(rest, num_returns=len(rest), timeout=OTHER_RETURNS_WAIT_S)
-        for ref in rest:
-            with suppress(Exception):
-                ray.get(ref, timeout=0)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         raise
 
 
